@@ -23,3 +23,7 @@ class BudgetError(MemoryPlanError):
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.dominant = dominant
+
+
+class MeasurementError(RuntimeError):
+    """A measuring child process failed: it raised, crashed or ran too long."""

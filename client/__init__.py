@@ -1,0 +1,1 @@
+"""fleetfit's Flower ClientApp: node facts -> train on local data -> reply."""

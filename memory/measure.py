@@ -1,0 +1,211 @@
+"""Measure the real memory peak of a piece of training, in a fresh child process.
+
+The figure a memory budget bounds (CPU): the peak resident set size (``VmHWM``) of the
+whole run minus the resident set size right after the run's imports (torch and the
+target's module), before the model exists. The child is started with the fixed glibc
+setting ``MALLOC_MMAP_THRESHOLD_=65536``: allocations of 64 KiB and more get their own
+mappings and go back to the kernel when freed, so a freed activation does not stay
+resident and the figures do not mislead. The import baseline is reported separately.
+
+On CUDA the figure is ``torch.cuda.max_memory_allocated()``, reported when the target
+used CUDA.
+
+Example:
+    >>> m = measure_in_child("mypkg.jobs:train_steps", {"steps": 3})  # doctest: +SKIP
+    >>> m.peak_bytes, m.baseline_bytes, m.result["losses"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory.errors import MeasurementError
+
+MALLOC_MMAP_THRESHOLD = 65536
+"""glibc's ``MALLOC_MMAP_THRESHOLD_`` in every measuring child, bytes."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one child run measured.
+
+    Attributes:
+        baseline_bytes: resident set size right after the imports (torch and the
+            target's module), before the target ran.
+        peak_bytes: peak resident set size of the process (``VmHWM``) minus
+            ``baseline_bytes``: the figure a CPU memory budget bounds.
+        result: the dict the target returned.
+        wall_s: seconds the target itself ran (imports excluded).
+        hwm_bytes: the raw ``VmHWM`` at the end, bytes.
+        cuda_peak_bytes: ``torch.cuda.max_memory_allocated()`` when the target used
+            CUDA, else None.
+        stderr: what the child wrote to standard error (logs, warnings).
+    """
+
+    baseline_bytes: int
+    peak_bytes: int
+    result: dict[str, Any]
+    wall_s: float
+    hwm_bytes: int = 0
+    cuda_peak_bytes: int | None = None
+    stderr: str = field(default="", repr=False)
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise MeasurementError(f"/proc/self/status has no {key}: not a Linux process?")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (``VmRSS``), bytes."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``VmHWM``), bytes."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (writes 5 to clear_refs).
+
+    For studying one step only: ``peak_rss_bytes()`` after the step minus
+    ``rss_bytes()`` before it is that step's own peak. Never use it when checking a
+    budget, which bounds the peak of the whole run (model construction included):
+    a target measured by ``measure_in_child`` that calls it reports as ``peak_bytes``
+    only what came after the reset.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a measuring child.
+
+    The caller's environment, plus ``env``, with this process's working directory and
+    ``sys.path`` prepended to ``PYTHONPATH`` (so the target imports as it does here)
+    and ``MALLOC_MMAP_THRESHOLD_=65536`` unless ``env`` sets it.
+    """
+    out = dict(os.environ)
+    out["MALLOC_MMAP_THRESHOLD_"] = str(MALLOC_MMAP_THRESHOLD)
+    out.update(env or {})
+    paths = [os.getcwd()] + [p for p in sys.path if p]
+    old = out.get("PYTHONPATH")
+    if old:
+        paths.append(old)
+    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return out
+
+
+# The child: imports, baseline, the call, the peak; the answer goes to a file so that
+# whatever the target prints cannot corrupt it.
+_CHILD = r"""
+import importlib, json, sys, time, traceback
+out_path, target, kwargs_json = sys.argv[1], sys.argv[2], sys.argv[3]
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+try:
+    import torch
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    kwargs = json.loads(kwargs_json)
+    baseline = status("VmRSS")
+    t0 = time.perf_counter()
+    result = func(**kwargs)
+    wall = time.perf_counter() - t0
+    if not isinstance(result, dict):
+        raise TypeError(f"{target} returned {type(result).__name__}, not a dict")
+    hwm = status("VmHWM")
+    cuda_peak = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_peak = int(torch.cuda.max_memory_allocated())
+    answer = {"ok": True, "baseline": baseline, "hwm": hwm, "wall": wall,
+              "cuda_peak": cuda_peak, "result": result}
+    text = json.dumps(answer)
+except BaseException:
+    text = json.dumps({"ok": False, "traceback": traceback.format_exc()})
+with open(out_path, "w") as f:
+    f.write(text)
+"""
+
+
+def measure_in_child(
+    target: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> Measurement:
+    """Run ``function(**kwargs)`` in a fresh Python process and measure its memory.
+
+    The child imports torch and the target's module, records its RSS (the baseline),
+    calls the function, then reads ``VmHWM``. Everything the function allocates,
+    model construction included, counts in ``peak_bytes``.
+
+    Args:
+        target: ``"package.module:function"``, importable in the child; the function
+            takes JSON values and returns a JSON-serialisable dict.
+        kwargs: keyword arguments for the function (JSON-serialisable).
+        env: extra environment variables for the child (on top of this process's).
+        timeout_s: kill the child after this many seconds.
+
+    Raises:
+        MeasurementError: the child raised (its traceback is in the message), crashed,
+            was killed, or ran past ``timeout_s``.
+    """
+    if target.count(":") != 1:
+        raise ValueError(f"target must be 'package.module:function', got {target!r}")
+    try:
+        kwargs_json = json.dumps(kwargs or {})
+    except TypeError as e:
+        raise ValueError(f"kwargs for {target} must be JSON-serialisable: {e}") from e
+    with tempfile.TemporaryDirectory(prefix="fleetfit-measure-") as tmp:
+        out_path = os.path.join(tmp, "answer.json")
+        cmd = [sys.executable, "-c", _CHILD, out_path, target, kwargs_json]
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=child_env(env),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise MeasurementError(
+                f"{target} ran past its timeout of {timeout_s:g} s in the measuring child"
+            ) from e
+        stderr = proc.stderr or ""
+        if not os.path.exists(out_path):
+            raise MeasurementError(
+                f"the measuring child of {target} exited with code {proc.returncode} "
+                f"without an answer (killed, out of memory?); its stderr ends:\n"
+                f"{stderr[-4000:]}"
+            )
+        with open(out_path) as f:
+            answer = json.load(f)
+    if not answer["ok"]:
+        raise MeasurementError(
+            f"{target} failed in the measuring child:\n{answer['traceback']}"
+        )
+    baseline, hwm = int(answer["baseline"]), int(answer["hwm"])
+    return Measurement(
+        baseline_bytes=baseline,
+        peak_bytes=hwm - baseline,
+        result=answer["result"],
+        wall_s=float(answer["wall"]),
+        hwm_bytes=hwm,
+        cuda_peak_bytes=answer["cuda_peak"],
+        stderr=stderr,
+    )

@@ -1,0 +1,1 @@
+"""fleetfit's Flower ServerApp: assigns work, aggregates, evaluates, persists."""

@@ -1,0 +1,86 @@
+"""The ServerApp's settings: Flower's flat kebab-case run config, parsed once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from workloads.splits import SPLITS
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of a federated run (run-config key in brackets)."""
+
+    workload: str = "digits-cnn"  # [workload] built-in name or module:function
+    num_server_rounds: int = 5  # [num-server-rounds] training rounds
+    local_steps: int = 20  # [local-steps] optimizer steps per client per round
+    lr: float = 0.003  # [lr] client AdamW learning rate
+    split: str = "iid"  # [split] iid | dirichlet | natural
+    dirichlet_alpha: float = 0.5  # [dirichlet-alpha] label skew for split=dirichlet
+    seed: int = 0  # [seed] all randomness derives from it
+    fraction_train: float = 1.0  # [fraction-train] share of nodes sampled per round
+    min_nodes: int = 2  # [min-nodes] nodes to wait for before round 1
+    batch_size: int = 0  # [batch-size] 0: the workload's default
+    seq_len: int = 0  # [seq-len] 0: the workload's default
+    out: str = "runs/flwr"  # [out] run folder
+    round_timeout_s: float = 600.0  # [round-timeout] seconds to wait for replies
+    node_wait_s: float = 300.0  # [node-wait] seconds to wait for min-nodes
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
+        """Parse and validate; unknown keys are an error naming the key."""
+        keys = {_key(f.name): f for f in fields(cls)}
+        unknown = sorted(set(run_config) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(keys)}"
+            )
+        values: dict[str, Any] = {}
+        for key, value in run_config.items():
+            f = keys[key]
+            want = type(getattr(cls(), f.name))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(
+                    f"run-config {key}={value!r} must be a {want.__name__}"
+                )
+            values[f.name] = value
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def bad(key: str, value: Any, rule: str) -> ValueError:
+            return ValueError(f"run-config {key}={value!r} is invalid: {rule}")
+
+        if self.num_server_rounds < 1:
+            raise bad("num-server-rounds", self.num_server_rounds, "must be at least 1")
+        if self.local_steps < 1:
+            raise bad("local-steps", self.local_steps, "must be at least 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise bad("lr", self.lr, "must be a positive number")
+        if self.split not in SPLITS:
+            raise bad("split", self.split, f"choose one of {', '.join(SPLITS)}")
+        if not self.dirichlet_alpha > 0:
+            raise bad("dirichlet-alpha", self.dirichlet_alpha, "must be > 0")
+        if not 0 < self.fraction_train <= 1:
+            raise bad("fraction-train", self.fraction_train, "must be in (0, 1]")
+        if self.min_nodes < 1:
+            raise bad("min-nodes", self.min_nodes, "must be at least 1")
+        if self.batch_size < 0 or self.seq_len < 0:
+            raise bad("batch-size/seq-len", (self.batch_size, self.seq_len), "must be >= 0")
+        if not self.round_timeout_s > 0 or not self.node_wait_s > 0:
+            raise bad("round-timeout/node-wait", (self.round_timeout_s, self.node_wait_s),
+                      "must be > 0 seconds")
+
+    def to_run_config(self) -> dict[str, Any]:
+        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+
+
+def _key(name: str) -> str:
+    return {"round_timeout_s": "round-timeout", "node_wait_s": "node-wait"}.get(
+        name, name.replace("_", "-")
+    )

@@ -1,0 +1,116 @@
+"""The run folder, written atomically (write a temporary file, then ``os.replace``).
+
+Layout (schema version 1, see docs/run-folder.md): ``summary.json``, ``summary.csv``,
+``accuracy.png`` and ``model.safetensors`` at the top level.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SCHEMA_VERSION = 1
+MODEL_FILE = "model.safetensors"
+SUMMARY_FILE = "summary.json"
+CSV_FILE = "summary.csv"
+PLOT_FILE = "accuracy.png"
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new file, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_model(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    """Save a state dict as safetensors with string metadata, atomically.
+
+    Tied tensors are written once per key (copies), so any state dict saves.
+    """
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A saved state dict and its metadata (no pickle involved)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    return load_file(str(path)), metadata
+
+
+def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
+    """``summary.json`` and ``summary.csv`` (one row per round)."""
+    out = Path(out)
+    atomic_write_bytes(out / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+    rounds = summary.get("rounds", [])
+    columns: list[str] = []
+    for r in rounds:
+        columns += [k for k, v in r.items() if k not in columns and not isinstance(v, list | dict)]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for r in rounds:
+        writer.writerow(r)
+    atomic_write_bytes(out / CSV_FILE, buf.getvalue().encode())
+
+
+def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
+    """``accuracy.png``: central accuracy (and loss) per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = summary["rounds"]
+    x = [r["round"] for r in rounds]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(x, [r["accuracy"] for r in rounds], marker="o", label="accuracy")
+    ax.set_xlabel("round")
+    ax.set_ylabel("central accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(x, [r["loss"] for r in rounds], color="tab:red", ls="--", label="loss")
+    ax2.set_ylabel("central loss")
+    ax.set_title(f"{summary.get('workload', '')}: central evaluation per round")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    path = Path(out) / PLOT_FILE
+    atomic_write_bytes(path, buf.getvalue())
+    return path

@@ -1,0 +1,1 @@
+"""Drivers that simulate fleets on Flower's simulation engine, and their reports."""

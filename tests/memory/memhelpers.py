@@ -1,0 +1,48 @@
+"""Targets for measuring children in tests/memory (imported by name in the child)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from memory.measure import peak_rss_bytes, reset_peak, rss_bytes
+
+
+def allocate(num_bytes: int, hold_s: float = 0.0) -> dict:
+    """Allocate and touch ``num_bytes``, then free them."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    time.sleep(hold_s)
+    total = float(x[::4096].sum())
+    del x
+    return {"sum": total}
+
+
+def fail(message: str) -> dict:
+    raise ZeroDivisionError(message)
+
+
+def sleep(seconds: float) -> dict:
+    time.sleep(seconds)
+    return {}
+
+
+def step_peak(first_bytes: int, second_bytes: int) -> dict:
+    """A large allocation, a peak reset, then a smaller one: the second step's peak."""
+    allocate(first_bytes)
+    before = rss_bytes()
+    reset_peak()
+    allocate(second_bytes)
+    return {"step_peak": peak_rss_bytes() - before}
+
+
+def cuda_allocate(num_bytes: int) -> dict:
+    x = torch.ones(num_bytes // 4, device="cuda")
+    del x
+    return {}
+
+
+def getenv(keys: list[str]) -> dict:
+    import os
+
+    return {k: os.environ.get(k) for k in keys}

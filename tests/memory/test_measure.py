@@ -1,0 +1,86 @@
+"""memory.measure: the child process measures what a target allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memory.errors import MeasurementError
+from memory.measure import measure_in_child, peak_rss_bytes, reset_peak, rss_bytes
+
+MB = 10**6
+
+
+def test_child_measures_an_allocation_above_its_baseline():
+    m = measure_in_child("memhelpers:allocate", {"num_bytes": 200 * MB})
+    # torch alone is ~250 MB resident: the baseline must include it
+    assert m.baseline_bytes > 100 * MB
+    # the allocation plus a few MB of interpreter noise, never the baseline
+    assert 200 * MB <= m.peak_bytes <= 212 * MB
+    assert m.hwm_bytes == m.baseline_bytes + m.peak_bytes
+    assert m.result == {"sum": pytest.approx(200 * MB / 4 / 4096, rel=1e-3)}
+    assert m.wall_s > 0
+    assert m.cuda_peak_bytes is None
+
+
+def test_peak_scales_with_the_allocation():
+    small = measure_in_child("memhelpers:allocate", {"num_bytes": 20 * MB})
+    big = measure_in_child("memhelpers:allocate", {"num_bytes": 120 * MB})
+    assert big.peak_bytes - small.peak_bytes == pytest.approx(100 * MB, rel=0.03)
+
+
+def test_child_errors_come_back_with_their_traceback():
+    with pytest.raises(MeasurementError) as e:
+        measure_in_child("memhelpers:fail", {"message": "boom 17"})
+    assert "ZeroDivisionError: boom 17" in str(e.value)
+    assert "memhelpers.py" in str(e.value)
+
+
+def test_missing_target_and_bad_kwargs():
+    with pytest.raises(MeasurementError, match="no_such_module"):
+        measure_in_child("no_such_module:f", {})
+    with pytest.raises(ValueError, match="package.module:function"):
+        measure_in_child("memhelpers.allocate", {})
+    with pytest.raises(ValueError, match="JSON"):
+        measure_in_child("memhelpers:allocate", {"num_bytes": object()})
+
+
+def test_timeout_kills_the_child():
+    with pytest.raises(MeasurementError, match="timeout"):
+        measure_in_child("memhelpers:sleep", {"seconds": 30}, timeout_s=3)
+
+
+def test_env_reaches_the_child_and_the_malloc_setting_is_fixed():
+    m = measure_in_child(
+        "memhelpers:getenv",
+        {"keys": ["MALLOC_MMAP_THRESHOLD_", "T_X"]},
+        env={"T_X": "x"},
+    )
+    assert m.result == {"MALLOC_MMAP_THRESHOLD_": "65536", "T_X": "x"}
+    # a target must answer a dict
+    with pytest.raises(MeasurementError, match="returned str, not a dict"):
+        measure_in_child("os:getenv", {"key": "HOME"})
+
+
+def test_reset_peak_isolates_one_step():
+    m = measure_in_child(
+        "memhelpers:step_peak", {"first_bytes": 300 * MB, "second_bytes": 50 * MB}
+    )
+    assert 48 * MB <= m.result["step_peak"] <= 56 * MB  # the second step alone
+    # the reset also hides the first, larger peak from the whole-run figure: that is
+    # why reset_peak is for studying a step, never for checking a budget
+    assert m.peak_bytes < 300 * MB
+
+
+def test_in_process_helpers():
+    assert 0 < rss_bytes() <= peak_rss_bytes()
+    reset_peak()
+    assert peak_rss_bytes() <= rss_bytes() + 4 * MB
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak():
+    m = measure_in_child("memhelpers:cuda_allocate", {"num_bytes": 64 * MB})
+    assert m.cuda_peak_bytes is not None
+    assert m.cuda_peak_bytes >= 64 * MB
