@@ -1,0 +1,77 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from workloads import WorkloadError, get_workload
+from workloads.registry import child_env
+
+USER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def build():
+        model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+        x = torch.randn(6, 5)
+        y = torch.randint(3, (6,))
+        return model, (x, y), nn.functional.cross_entropy
+
+    def broken():
+        return 42
+    """
+)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "myjob.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    yield "myjob"
+    sys.modules.pop("myjob", None)
+
+
+def test_module_function_workload_from_current_directory(user_module):
+    wl = get_workload(f"{user_module}:build")
+    assert wl.kind == "custom" and wl.batch_size == 6
+    x, y = wl.example_batch()
+    a, b = wl.make_model(1), wl.make_model(1)
+    assert torch.equal(a(x), b(x))
+    assert torch.isfinite(wl.loss_fn(a(x), y))
+
+
+def test_module_function_loads_in_a_child_process(user_module):
+    code = "from workloads import get_workload; print(get_workload('myjob:build').kind)"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd="/",
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "custom"
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("nope", "unknown workload 'nope'"),
+    ("a:b:c", "malformed workload 'a:b:c'"),
+    ("my job:build", "malformed workload"),
+    ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+    ("json:no_such_function", "has no function 'no_such_function'"),
+    ("", "workload must be"),
+])
+def test_bad_workload_names(spec, msg):
+    with pytest.raises(WorkloadError, match=msg):
+        get_workload(spec)
+
+
+def test_function_with_wrong_return(user_module):
+    with pytest.raises(WorkloadError, match="must return"):
+        get_workload(f"{user_module}:broken")
+
+
+def test_shape_overrides_validated():
+    assert get_workload("gpt-tiny", batch_size=2, seq_len=16).seq_len == 16
+    with pytest.raises(WorkloadError, match="sequence length"):
+        get_workload("gpt-tiny", seq_len=1000)
+    with pytest.raises(WorkloadError, match="batch size"):
+        get_workload("digits-cnn", batch_size=0)
+    with pytest.raises(WorkloadError, match="language models only"):
+        get_workload("digits-cnn", seq_len=8)
