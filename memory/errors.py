@@ -17,7 +17,12 @@ class BudgetError(MemoryPlanError):
     """
 
     def __init__(
-        self, message: str, *, budget_bytes: int, min_budget_bytes: int | None, dominant: str
+        self,
+        message: str,
+        *,
+        budget_bytes: int,
+        min_budget_bytes: int | None,
+        dominant: str,
     ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
@@ -27,3 +32,24 @@ class BudgetError(MemoryPlanError):
 
 class MeasurementError(RuntimeError):
     """A measuring child process failed: it raised, crashed or ran too long."""
+
+
+class OffloadDirError(MemoryPlanError):
+    """The offload directory cannot hold what a plan puts on disk.
+
+    Raised before training starts, when the directory is missing and cannot be
+    created, is not writable, or has less free space than the plan needs.
+
+    Attributes:
+        directory: the offload directory.
+        bytes_needed: bytes the plan writes there.
+        bytes_free: free bytes found there (None when it could not be read).
+    """
+
+    def __init__(
+        self, message: str, *, directory: str, bytes_needed: int, bytes_free: int | None
+    ) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.bytes_needed = bytes_needed
+        self.bytes_free = bytes_free
