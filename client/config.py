@@ -28,8 +28,12 @@ class NodeConfig:
                 f"node config lacks {e.args[0]!r}: start the SuperNode with "
                 "--node-config 'partition-id=0 num-partitions=2'"
             ) from None
-        if isinstance(pid, bool) or isinstance(num, bool) or not isinstance(pid, int) \
-                or not isinstance(num, int):
+        if (
+            isinstance(pid, bool)
+            or isinstance(num, bool)
+            or not isinstance(pid, int)
+            or not isinstance(num, int)
+        ):
             raise ValueError(
                 f"partition-id={pid!r} and num-partitions={num!r} must be integers"
             )

@@ -33,8 +33,12 @@ def train_local(
     lr: float,
 ) -> TrainResult:
     """``local_steps`` AdamW steps on this client's share; batch order from the seeds."""
-    items = workload.client_items(partition_id, num_partitions, split, seed=seed, alpha=alpha)
-    data_seed, torch_seed = np.random.SeedSequence([seed, server_round, partition_id]).generate_state(2)
+    items = workload.client_items(
+        partition_id, num_partitions, split, seed=seed, alpha=alpha
+    )
+    data_seed, torch_seed = np.random.SeedSequence(
+        [seed, server_round, partition_id]
+    ).generate_state(2)
     batches = workload.batches(items, seed=int(data_seed))
     torch.manual_seed(int(torch_seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

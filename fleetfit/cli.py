@@ -1,7 +1,7 @@
 """The ``fleetfit`` command.
 
-    fleetfit simulate                         # digits CNN, 10 virtual clients, 5 rounds
-    fleetfit simulate --workload gpt-tiny --clients 4 --rounds 3 --out runs/lm
+fleetfit simulate                         # digits CNN, 10 virtual clients, 5 rounds
+fleetfit simulate --workload gpt-tiny --clients 4 --rounds 3 --out runs/lm
 """
 
 from __future__ import annotations
@@ -54,29 +54,68 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         description="Simulate a federation locally (Flower simulation engine on Ray), "
         "print a per-round table and write a run folder.",
     )
-    p.add_argument("--workload", default="digits-cnn",
-                   help="built-in workload or module:function (default: digits-cnn)")
-    p.add_argument("--clients", type=_positive_int, default=10,
-                   help="virtual clients (default: 10)")
-    p.add_argument("--rounds", type=_positive_int, default=5,
-                   help="federated rounds (default: 5)")
-    p.add_argument("--local-steps", type=_positive_int, default=20,
-                   help="optimizer steps per client per round (default: 20)")
-    p.add_argument("--lr", type=_positive_float, default=0.003,
-                   help="client AdamW learning rate (default: 0.003)")
-    p.add_argument("--split", default="iid", choices=["iid", "dirichlet", "natural"],
-                   help="how data is split across clients (default: iid)")
-    p.add_argument("--alpha", type=_positive_float, default=0.5,
-                   help="Dirichlet concentration for --split dirichlet (default: 0.5)")
-    p.add_argument("--fraction", type=_positive_float, default=1.0,
-                   help="share of clients sampled per round, in (0, 1] (default: 1)")
-    p.add_argument("--batch", type=_non_negative_int, default=0,
-                   help="local batch size (default: the workload's)")
-    p.add_argument("--seq", type=_non_negative_int, default=0,
-                   help="sequence length for language models (default: the workload's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of all randomness (default: 0)")
-    p.add_argument("--out", default=None,
-                   help="run folder (default: runs/simulate-<timestamp>)")
+    p.add_argument(
+        "--workload",
+        default="digits-cnn",
+        help="built-in workload or module:function (default: digits-cnn)",
+    )
+    p.add_argument(
+        "--clients",
+        type=_positive_int,
+        default=10,
+        help="virtual clients (default: 10)",
+    )
+    p.add_argument(
+        "--rounds", type=_positive_int, default=5, help="federated rounds (default: 5)"
+    )
+    p.add_argument(
+        "--local-steps",
+        type=_positive_int,
+        default=20,
+        help="optimizer steps per client per round (default: 20)",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=0.003,
+        help="client AdamW learning rate (default: 0.003)",
+    )
+    p.add_argument(
+        "--split",
+        default="iid",
+        choices=["iid", "dirichlet", "natural"],
+        help="how data is split across clients (default: iid)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=_positive_float,
+        default=0.5,
+        help="Dirichlet concentration for --split dirichlet (default: 0.5)",
+    )
+    p.add_argument(
+        "--fraction",
+        type=_positive_float,
+        default=1.0,
+        help="share of clients sampled per round, in (0, 1] (default: 1)",
+    )
+    p.add_argument(
+        "--batch",
+        type=_non_negative_int,
+        default=0,
+        help="local batch size (default: the workload's)",
+    )
+    p.add_argument(
+        "--seq",
+        type=_non_negative_int,
+        default=0,
+        help="sequence length for language models (default: the workload's)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of all randomness (default: 0)"
+    )
+    p.add_argument(
+        "--out", default=None, help="run folder (default: runs/simulate-<timestamp>)"
+    )
     p.set_defaults(func=_cmd_simulate)
 
 
@@ -85,14 +124,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     out = args.out or os.path.join("runs", time.strftime("simulate-%Y%m%d-%H%M%S"))
     settings = SimulationSettings(
-        workload=args.workload, num_clients=args.clients, rounds=args.rounds,
-        local_steps=args.local_steps, lr=args.lr, split=args.split,
-        dirichlet_alpha=args.alpha, fraction_train=args.fraction, seed=args.seed,
-        out=out, batch_size=args.batch, seq_len=args.seq,
+        workload=args.workload,
+        num_clients=args.clients,
+        rounds=args.rounds,
+        local_steps=args.local_steps,
+        lr=args.lr,
+        split=args.split,
+        dirichlet_alpha=args.alpha,
+        fraction_train=args.fraction,
+        seed=args.seed,
+        out=out,
+        batch_size=args.batch,
+        seq_len=args.seq,
     )
     settings.validate()  # bad input fails here, before Ray starts
-    print(f"fleetfit simulate: {args.workload}, {args.clients} clients, "
-          f"{args.rounds} rounds -> {out}", file=sys.stderr)
+    print(
+        f"fleetfit simulate: {args.workload}, {args.clients} clients, "
+        f"{args.rounds} rounds -> {out}",
+        file=sys.stderr,
+    )
     summary = simulate(settings)
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
@@ -102,12 +152,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def format_rounds(summary: dict[str, Any]) -> str:
     """The per-round table of a run summary."""
     lm = summary.get("metric_name") == "perplexity"
-    head = ["round", "clients", "accuracy", "loss"] + (["perplexity"] if lm else []) + [
-        "train loss", "time s"]
+    head = (
+        ["round", "clients", "accuracy", "loss"]
+        + (["perplexity"] if lm else [])
+        + ["train loss", "time s"]
+    )
     rows = []
     for r in summary["rounds"]:
-        row = [str(r["round"]), f"{r['num_clients']}/{r.get('num_sampled', r['num_clients'])}",
-               f"{r['accuracy']:.4f}", f"{r['loss']:.4f}"]
+        row = [
+            str(r["round"]),
+            f"{r['num_clients']}/{r.get('num_sampled', r['num_clients'])}",
+            f"{r['accuracy']:.4f}",
+            f"{r['loss']:.4f}",
+        ]
         if lm:
             row.append(f"{r['perplexity']:.2f}")
         tl = r.get("train_loss")

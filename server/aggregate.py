@@ -35,13 +35,17 @@ def validate_update(update: Update, reference: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(reference) - set(update.state))
     extra = sorted(set(update.state) - set(reference))
     if missing or extra:
-        raise UpdateRejected(f"keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise UpdateRejected(
+            f"keys differ: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     if update.num_examples <= 0:
         raise UpdateRejected(f"num-examples is {update.num_examples}, must be > 0")
     for key, ref in reference.items():
         got = update.state[key]
         if got.shape != ref.shape:
-            raise UpdateRejected(f"{key}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            raise UpdateRejected(
+                f"{key}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+            )
         if got.dtype != ref.dtype:
             raise UpdateRejected(f"{key}: dtype {got.dtype} != {ref.dtype}")
         if got.is_floating_point() and not bool(torch.isfinite(got).all()):
@@ -83,8 +87,12 @@ def accept_updates(
         try:
             validate_update(u, reference)
         except UpdateRejected as e:
-            log.warning("rejected update of node %s (partition %s): %s",
-                        u.node_id, u.partition_id, e)
+            log.warning(
+                "rejected update of node %s (partition %s): %s",
+                u.node_id,
+                u.partition_id,
+                e,
+            )
             rejected.append((u, str(e)))
         else:
             accepted.append(u)

@@ -10,7 +10,14 @@ import logging
 import time
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
 from flwr.serverapp import Grid, ServerApp
 
 from server.config import ServerConfig
@@ -57,10 +64,15 @@ class FlowerTransport:
 
     def query(self, node_ids: list[int], timeout_s: float) -> dict[int, Message]:
         msgs = [
-            Message(RecordDict({"config": ConfigRecord({})}), node_id, MessageType.QUERY)
+            Message(
+                RecordDict({"config": ConfigRecord({})}), node_id, MessageType.QUERY
+            )
             for node_id in node_ids
         ]
-        return {m.metadata.src_node_id: m for m in self.grid.send_and_receive(msgs, timeout=timeout_s)}
+        return {
+            m.metadata.src_node_id: m
+            for m in self.grid.send_and_receive(msgs, timeout=timeout_s)
+        }
 
     def train(
         self,

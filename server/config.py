@@ -71,10 +71,15 @@ class ServerConfig:
         if self.min_nodes < 1:
             raise bad("min-nodes", self.min_nodes, "must be at least 1")
         if self.batch_size < 0 or self.seq_len < 0:
-            raise bad("batch-size/seq-len", (self.batch_size, self.seq_len), "must be >= 0")
+            raise bad(
+                "batch-size/seq-len", (self.batch_size, self.seq_len), "must be >= 0"
+            )
         if not self.round_timeout_s > 0 or not self.node_wait_s > 0:
-            raise bad("round-timeout/node-wait", (self.round_timeout_s, self.node_wait_s),
-                      "must be > 0 seconds")
+            raise bad(
+                "round-timeout/node-wait",
+                (self.round_timeout_s, self.node_wait_s),
+                "must be > 0 seconds",
+            )
 
     def to_run_config(self) -> dict[str, Any]:
         return {_key(f.name): getattr(self, f.name) for f in fields(self)}

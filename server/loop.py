@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from server import persist, protocol
@@ -48,7 +47,9 @@ class Federation:
         )
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)
-        self.nodes: dict[int, dict[str, Any]] = {}  # node id -> facts from its query reply
+        self.nodes: dict[
+            int, dict[str, Any]
+        ] = {}  # node id -> facts from its query reply
         self.summary: dict[str, Any] = {
             "schema": persist.SCHEMA_VERSION,
             "workload": cfg.workload,
@@ -63,7 +64,9 @@ class Federation:
         new = [n for n in self.transport.node_ids() if n not in self.nodes]
         if not new:
             return
-        for node_id, reply in self.transport.query(new, self.cfg.round_timeout_s).items():
+        for node_id, reply in self.transport.query(
+            new, self.cfg.round_timeout_s
+        ).items():
             if reply.has_error():
                 log.warning("node %s failed its query: %s", node_id, reply.error.reason)
                 continue
@@ -76,7 +79,7 @@ class Federation:
         live = set(self.transport.node_ids())
         known = sorted(
             (n for n in self.nodes if n in live),
-            key=lambda n: (int(self.nodes[n].get(protocol.PARTITION_ID, n)), n),
+            key=lambda n: (int(self.nodes[n].get(protocol.PARTITION_ID) or 0), n),
         )
         k = max(1, round(self.cfg.fraction_train * len(known)))
         if k >= len(known):
@@ -88,8 +91,12 @@ class Federation:
     # ------------------------------------------------------------ rounds
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        log.info("fleetfit server: %s for %d rounds, waiting for %d nodes",
-                 cfg.workload, cfg.num_server_rounds, cfg.min_nodes)
+        log.info(
+            "fleetfit server: %s for %d rounds, waiting for %d nodes",
+            cfg.workload,
+            cfg.num_server_rounds,
+            cfg.min_nodes,
+        )
         self.transport.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
         for server_round in range(1, cfg.num_server_rounds + 1):
             self.run_round(server_round)
@@ -105,11 +112,17 @@ class Federation:
         reference = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         arrays = ArrayRecord(reference)
         instruction = protocol.TrainInstruction(
-            server_round=server_round, workload=cfg.workload, local_steps=cfg.local_steps,
-            lr=cfg.lr, seed=cfg.seed, split=cfg.split, dirichlet_alpha=cfg.dirichlet_alpha,
-            batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            server_round=server_round,
+            workload=cfg.workload,
+            local_steps=cfg.local_steps,
+            lr=cfg.lr,
+            seed=cfg.seed,
+            split=cfg.split,
+            dirichlet_alpha=cfg.dirichlet_alpha,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
         )
-        config = ConfigRecord(instruction.to_config())
+        config = ConfigRecord(dict(instruction.to_config()))
         replies = self.transport.train(
             {n: (arrays, config) for n in sampled}, server_round, cfg.round_timeout_s
         )
@@ -137,12 +150,18 @@ class Federation:
         self._save(server_round)
         log.info(
             "round %d: accuracy %.4f loss %.4f from %d/%d clients (%.1f s)",
-            server_round, record["accuracy"], record["loss"], len(accepted),
-            len(sampled), record["round_s"],
+            server_round,
+            record["accuracy"],
+            record["loss"],
+            len(accepted),
+            len(sampled),
+            record["round_s"],
         )
         return record
 
-    def _collect(self, replies: list[Message]) -> tuple[list[Update], list[float], list[str]]:
+    def _collect(
+        self, replies: list[Message]
+    ) -> tuple[list[Update], list[float], list[str]]:
         updates: list[Update] = []
         losses: list[float] = []
         errors: list[str] = []
@@ -156,16 +175,20 @@ class Federation:
                 arrays = reply.content.array_records[protocol.ARRAYS]
                 metrics = reply.content.metric_records[protocol.METRICS]
                 state = arrays.to_torch_state_dict()
-                num = int(metrics[protocol.NUM_EXAMPLES])
-                pid = int(metrics.get(protocol.PARTITION_ID,
-                                      self.nodes.get(node_id, {}).get(protocol.PARTITION_ID, -1)))
+                num = _as_int(metrics[protocol.NUM_EXAMPLES])
+                pid = _as_int(
+                    metrics.get(
+                        protocol.PARTITION_ID,
+                        self.nodes.get(node_id, {}).get(protocol.PARTITION_ID, -1),
+                    )
+                )
             except (KeyError, TypeError, ValueError) as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
                 log.warning("node %s sent a malformed reply: %s", node_id, e)
                 continue
             updates.append(Update(pid, node_id, num, state))
             if protocol.TRAIN_LOSS in metrics:
-                losses.append(float(metrics[protocol.TRAIN_LOSS]))
+                losses.append(float(metrics[protocol.TRAIN_LOSS]))  # type: ignore[arg-type]
         return updates, losses, errors
 
     def _save(self, server_round: int) -> None:
@@ -180,3 +203,10 @@ class Federation:
             },
         )
         persist.write_summary(self.out, self.summary)
+
+
+def _as_int(value: Any) -> int:
+    """An integer metric from the wire; lists and non-integral values are malformed."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)

@@ -41,7 +41,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
-def save_model(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+def save_model(
+    path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]
+) -> None:
     """Save a state dict as safetensors with string metadata, atomically.
 
     Tied tensors are written once per key (copies), so any state dict saves.
@@ -79,7 +81,11 @@ def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
     rounds = summary.get("rounds", [])
     columns: list[str] = []
     for r in rounds:
-        columns += [k for k, v in r.items() if k not in columns and not isinstance(v, list | dict)]
+        columns += [
+            k
+            for k, v in r.items()
+            if k not in columns and not isinstance(v, list | dict)
+        ]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()

@@ -9,6 +9,7 @@ holds ``arrays`` and ``metrics`` (a MetricRecord with ``num-examples``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -36,13 +37,15 @@ class TrainInstruction:
     batch_size: int  # 0: the workload's default
     seq_len: int  # 0: the workload's default (language models)
 
-    def to_config(self) -> dict[str, int | float | str]:
+    def to_config(self) -> dict[str, Any]:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}
 
     @classmethod
     def from_config(cls, config: dict) -> TrainInstruction:
         names = cls.__dataclass_fields__
-        missing = [n.replace("_", "-") for n in names if n.replace("_", "-") not in config]
+        missing = [
+            n.replace("_", "-") for n in names if n.replace("_", "-") not in config
+        ]
         if missing:
             raise ValueError(f"train instruction lacks {', '.join(missing)}")
         return cls(**{n: config[n.replace("_", "-")] for n in names})

@@ -39,11 +39,18 @@ class SimulationSettings:
 
     def server_config(self) -> ServerConfig:
         cfg = ServerConfig(
-            workload=self.workload, num_server_rounds=self.rounds,
-            local_steps=self.local_steps, lr=self.lr, split=self.split,
-            dirichlet_alpha=self.dirichlet_alpha, seed=self.seed,
-            fraction_train=self.fraction_train, min_nodes=self.num_clients,
-            batch_size=self.batch_size, seq_len=self.seq_len, out=self.out,
+            workload=self.workload,
+            num_server_rounds=self.rounds,
+            local_steps=self.local_steps,
+            lr=self.lr,
+            split=self.split,
+            dirichlet_alpha=self.dirichlet_alpha,
+            seed=self.seed,
+            fraction_train=self.fraction_train,
+            min_nodes=self.num_clients,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            out=self.out,
         )
         cfg.validate()
         return cfg
@@ -55,11 +62,15 @@ class SimulationSettings:
         if not self.cpus_per_client > 0:
             raise ValueError(f"cpus_per_client={self.cpus_per_client} must be > 0")
         cfg = self.server_config()
-        wl = get_workload(self.workload, batch_size=self.batch_size or None,
-                          seq_len=self.seq_len or None)
+        wl = get_workload(
+            self.workload,
+            batch_size=self.batch_size or None,
+            seq_len=self.seq_len or None,
+        )
         # The data must divide across the clients (raises a WorkloadError naming both).
-        wl.client_items(0, self.num_clients, self.split, seed=self.seed,
-                        alpha=self.dirichlet_alpha)
+        wl.client_items(
+            0, self.num_clients, self.split, seed=self.seed, alpha=self.dirichlet_alpha
+        )
         return cfg
 
 

@@ -71,7 +71,9 @@ def stdlib_sources() -> list[tuple[str, str]]:
     root = sysconfig.get_paths()["stdlib"]
     found: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "__pycache__")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue

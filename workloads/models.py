@@ -146,7 +146,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerLayer(cfg) for _ in range(cfg.num_layers)
+        )
         self.head = Head(cfg)
         self.apply(self._init)
         if cfg.tie_weights:
@@ -170,16 +172,28 @@ class GPT(nn.Module):
 
 GPT_PRESETS: dict[str, GPTConfig] = {
     # tests: tiny and fast
-    "gpt-tiny": GPTConfig(vocab_size=256, context=64, d_model=64, num_layers=2, num_heads=4),
+    "gpt-tiny": GPTConfig(
+        vocab_size=256, context=64, d_model=64, num_layers=2, num_heads=4
+    ),
     # byte-level LM for the standard-library corpus, ~19M parameters
-    "gpt-byte": GPTConfig(vocab_size=256, context=256, d_model=512, num_layers=6, num_heads=8),
+    "gpt-byte": GPTConfig(
+        vocab_size=256, context=256, d_model=512, num_layers=6, num_heads=8
+    ),
     # GPT-2 shapes (tied embeddings, 50,257 tokens), random weights, for memory and speed
     "gpt2-small": GPTConfig(
-        vocab_size=50257, context=1024, d_model=768, num_layers=12, num_heads=12,
+        vocab_size=50257,
+        context=1024,
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
         tie_weights=True,
     ),
     "gpt2-medium": GPTConfig(
-        vocab_size=50257, context=1024, d_model=1024, num_layers=24, num_heads=16,
+        vocab_size=50257,
+        context=1024,
+        d_model=1024,
+        num_layers=24,
+        num_heads=16,
         tie_weights=True,
     ),
 }

@@ -64,7 +64,9 @@ class Workload:
         """``accuracy`` for classifiers, ``perplexity`` for language models."""
         return "perplexity" if self.kind == "lm" else "accuracy"
 
-    def with_shape(self, batch_size: int | None = None, seq_len: int | None = None) -> Workload:
+    def with_shape(
+        self, batch_size: int | None = None, seq_len: int | None = None
+    ) -> Workload:
         """A copy with another batch size or sequence length (validated)."""
         b = self.batch_size if batch_size is None else batch_size
         t = self.seq_len if seq_len is None else seq_len
@@ -83,7 +85,9 @@ class Workload:
         else:
             assert t is not None
             ctx = self.make_config().context
-            limit = min(ctx, data_mod.CHUNK_BYTES - 1) if self.dataset == "corpus" else ctx
+            limit = (
+                min(ctx, data_mod.CHUNK_BYTES - 1) if self.dataset == "corpus" else ctx
+            )
             if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= limit:
                 raise WorkloadError(
                     f"sequence length must be an integer in 1..{limit} for {self.name}, "
@@ -110,12 +114,16 @@ class Workload:
             assert self.seq_len is not None
             vocab = self.make_config().vocab_size
             g = torch.Generator().manual_seed(1 if train else 2)
-            toks = torch.randint(vocab, (_SYNTHETIC_ITEMS, self.seq_len + 1), generator=g)
+            toks = torch.randint(
+                vocab, (_SYNTHETIC_ITEMS, self.seq_len + 1), generator=g
+            )
             groups = np.arange(_SYNTHETIC_ITEMS, dtype=np.int64) % 16
             return data_mod.Items(toks, None, groups, tuple(str(i) for i in range(16)))
         assert self.custom_batch is not None
         x, y = self.custom_batch
-        return data_mod.Items(x[None], y[None], np.zeros(1, dtype=np.int64), ("example",))
+        return data_mod.Items(
+            x[None], y[None], np.zeros(1, dtype=np.int64), ("example",)
+        )
 
     def client_items(
         self,
@@ -134,7 +142,9 @@ class Workload:
         items = self.items(train=True)
         if self.dataset == "example":
             return items  # a custom workload trains its example batch everywhere
-        parts = split_indices(items.groups, num_partitions, split, seed=seed, alpha=alpha)
+        parts = split_indices(
+            items.groups, num_partitions, split, seed=seed, alpha=alpha
+        )
         return items.subset(parts[partition_id])
 
     def batches(self, items: data_mod.Items, seed: int) -> Iterator[Batch]:
@@ -151,7 +161,9 @@ class Workload:
             while True:
                 rows = torch.randint(len(items), (self.batch_size,), generator=g)
                 offs = torch.randint(width - span + 1, (self.batch_size,), generator=g)
-                w = torch.stack([items.inputs[r, o : o + span] for r, o in zip(rows, offs)])
+                w = torch.stack(
+                    [items.inputs[r, o : o + span] for r, o in zip(rows, offs)]
+                )
                 w = w.long()
                 yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
         assert items.targets is not None
@@ -170,7 +182,9 @@ class Workload:
         return next(self.batches(self.items(train=True), seed))
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, items: data_mod.Items | None = None) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, items: data_mod.Items | None = None
+    ) -> dict[str, float]:
         """Loss and accuracy (and perplexity for language models) on held-out items."""
         items = self.items(train=False) if items is None else items
         was_training = model.training
@@ -181,16 +195,16 @@ class Workload:
         try:
             for x, y in self._eval_batches(items):
                 out = model(x)
-                loss = self.loss_fn(out, y)
+                batch_loss = self.loss_fn(out, y)
                 n = int(y.numel()) if self.kind == "lm" else int(y.shape[0])
-                total_loss += float(loss) * n
+                total_loss += float(batch_loss) * n
                 if self.kind != "custom" or out.shape[:-1] == y.shape:
                     correct += int((out.argmax(-1) == y).sum())
                 count += n
         finally:
             model.train(was_training)
         loss = total_loss / max(count, 1)
-        metrics = {"loss": loss, "accuracy": correct / max(count, 1)}
+        metrics: dict[str, float] = {"loss": loss, "accuracy": correct / max(count, 1)}
         if self.kind == "lm":
             metrics["perplexity"] = math.exp(min(loss, 50.0))
         return metrics
@@ -216,21 +230,45 @@ def _gpt_factory(name: str) -> Callable[[], nn.Module]:
 
 
 BUILTIN_WORKLOADS: dict[str, Workload] = {
-    "digits-cnn": Workload("digits-cnn", "image", 32, None, models.DigitsCNN,
-                           _cross_entropy, "digits"),
-    "digits-cnn-bn": Workload("digits-cnn-bn", "image", 32, None,
-                              lambda: models.DigitsCNN(batch_norm=True), _cross_entropy,
-                              "digits"),
-    "digits-mlp": Workload("digits-mlp", "image", 32, None, models.MLP, _cross_entropy,
-                           "digits"),
-    "gpt-tiny": Workload("gpt-tiny", "lm", 4, 32, _gpt_factory("gpt-tiny"),
-                         models.lm_loss, "corpus"),
-    "gpt-byte": Workload("gpt-byte", "lm", 8, 128, _gpt_factory("gpt-byte"),
-                         models.lm_loss, "corpus"),
-    "gpt2-small": Workload("gpt2-small", "lm", 4, 512, _gpt_factory("gpt2-small"),
-                           models.lm_loss, "synthetic"),
-    "gpt2-medium": Workload("gpt2-medium", "lm", 4, 512, _gpt_factory("gpt2-medium"),
-                            models.lm_loss, "synthetic"),
+    "digits-cnn": Workload(
+        "digits-cnn", "image", 32, None, models.DigitsCNN, _cross_entropy, "digits"
+    ),
+    "digits-cnn-bn": Workload(
+        "digits-cnn-bn",
+        "image",
+        32,
+        None,
+        lambda: models.DigitsCNN(batch_norm=True),
+        _cross_entropy,
+        "digits",
+    ),
+    "digits-mlp": Workload(
+        "digits-mlp", "image", 32, None, models.MLP, _cross_entropy, "digits"
+    ),
+    "gpt-tiny": Workload(
+        "gpt-tiny", "lm", 4, 32, _gpt_factory("gpt-tiny"), models.lm_loss, "corpus"
+    ),
+    "gpt-byte": Workload(
+        "gpt-byte", "lm", 8, 128, _gpt_factory("gpt-byte"), models.lm_loss, "corpus"
+    ),
+    "gpt2-small": Workload(
+        "gpt2-small",
+        "lm",
+        4,
+        512,
+        _gpt_factory("gpt2-small"),
+        models.lm_loss,
+        "synthetic",
+    ),
+    "gpt2-medium": Workload(
+        "gpt2-medium",
+        "lm",
+        4,
+        512,
+        _gpt_factory("gpt2-medium"),
+        models.lm_loss,
+        "synthetic",
+    ),
 }
 
 
@@ -301,8 +339,14 @@ def _load_custom(spec: str) -> Workload:
     torch.manual_seed(0)
     _, batch, loss_fn = build()
     return Workload(
-        spec, "custom", int(batch[0].shape[0]) if batch[0].dim() else 1, None,
-        lambda: build()[0], loss_fn, "example", batch,
+        spec,
+        "custom",
+        int(batch[0].shape[0]) if batch[0].dim() else 1,
+        None,
+        lambda: build()[0],
+        loss_fn,
+        "example",
+        batch,
     )
 
 

@@ -42,7 +42,9 @@ def split_indices(
     """
     n = len(groups)
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int):
-        raise WorkloadError(f"num_partitions must be an integer, got {num_partitions!r}")
+        raise WorkloadError(
+            f"num_partitions must be an integer, got {num_partitions!r}"
+        )
     if num_partitions < 1:
         raise WorkloadError(f"num_partitions must be at least 1, got {num_partitions}")
     if num_partitions > n:

@@ -8,20 +8,39 @@ from memory import MemoryPlanError, format_bytes, parse_bytes
 from memory.blocks import as_blocks, check_blocks
 
 
-@pytest.mark.parametrize("text,value", [
-    ("512MB", 512_000_000), ("1.5GiB", 3 * 2**29), ("4096", 4096), (4096, 4096),
-    ("2kB", 2000), ("3 KiB", 3072), ("1e3", 1000), ("7B", 7), ("1GB", 10**9),
-    ("0.5MiB", 2**19),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("512MB", 512_000_000),
+        ("1.5GiB", 3 * 2**29),
+        ("4096", 4096),
+        (4096, 4096),
+        ("2kB", 2000),
+        ("3 KiB", 3072),
+        ("1e3", 1000),
+        ("7B", 7),
+        ("1GB", 10**9),
+        ("0.5MiB", 2**19),
+    ],
+)
 def test_parse(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text,msg", [
-    ("0", "greater than zero"), ("-5MB", "negative"), ("abc", "cannot parse"),
-    ("12XB", "cannot parse"), ("", "cannot parse"), ("1.5", "whole number"),
-    (True, "not a size"), (float("nan"), "not a finite"), (-1, "negative"),
-])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("0", "greater than zero"),
+        ("-5MB", "negative"),
+        ("abc", "cannot parse"),
+        ("12XB", "cannot parse"),
+        ("", "cannot parse"),
+        ("1.5", "whole number"),
+        (True, "not a size"),
+        (float("nan"), "not a finite"),
+        (-1, "negative"),
+    ],
+)
 def test_parse_rejects(text, msg):
     with pytest.raises(MemoryPlanError, match=msg):
         parse_bytes(text, what="budget")
@@ -70,7 +89,13 @@ class Shuffled(Prefixed):
 def test_adapter_expands_layer_lists():
     model = Prefixed()
     blocks = check_blocks(model, torch.randn(2, 4))
-    assert [b.name for b in blocks] == ["inp", "layers.0", "layers.1", "layers.2", "out"]
+    assert [b.name for b in blocks] == [
+        "inp",
+        "layers.0",
+        "layers.1",
+        "layers.2",
+        "out",
+    ]
 
 
 def test_adapter_sequential_children():

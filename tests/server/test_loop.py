@@ -12,8 +12,9 @@ from tests.fakes import DirectTransport
 
 
 def run(tmp_path, transport, **kw):
-    cfg = ServerConfig(num_server_rounds=2, local_steps=5, min_nodes=1,
-                       out=str(tmp_path / "run"), **kw)
+    cfg = ServerConfig(
+        num_server_rounds=2, local_steps=5, min_nodes=1, out=str(tmp_path / "run"), **kw
+    )
     return Federation(cfg, transport).run(), tmp_path / "run"
 
 
@@ -28,16 +29,25 @@ def test_federation_writes_run_folder_and_improves(tmp_path):
     assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
     state, meta = load_model(out / "model.safetensors")
     assert meta["workload"] == "digits-cnn" and meta["round"] == "2"
-    assert set(state) == set(Federation(ServerConfig(), DirectTransport(1)).model.state_dict())
+    assert set(state) == set(
+        Federation(ServerConfig(), DirectTransport(1)).model.state_dict()
+    )
 
 
 def test_failed_and_malformed_clients_do_not_stop_the_round(tmp_path):
     def tamper(node_id, reply):
         if node_id == 1001:  # NaN update
             sd = reply.content.array_records["arrays"].to_torch_state_dict()
-            sd = {k: v * float("nan") if v.is_floating_point() else v for k, v in sd.items()}
-            content = RecordDict({"arrays": ArrayRecord(sd),
-                                  "metrics": reply.content.metric_records["metrics"]})
+            sd = {
+                k: v * float("nan") if v.is_floating_point() else v
+                for k, v in sd.items()
+            }
+            content = RecordDict(
+                {
+                    "arrays": ArrayRecord(sd),
+                    "metrics": reply.content.metric_records["metrics"],
+                }
+            )
             return Message(content=content, metadata=reply.metadata)
         if node_id == 1002:  # no arrays at all
             content = RecordDict({"metrics": MetricRecord({"num-examples": 3})})
@@ -46,7 +56,9 @@ def test_failed_and_malformed_clients_do_not_stop_the_round(tmp_path):
 
     summary, _ = run(tmp_path, DirectTransport(4, tamper=tamper, fail={1003}))
     for r in summary["rounds"]:
-        assert r["num_sampled"] == 4 and r["num_clients"] == 1 and r["num_rejected"] == 1
+        assert (
+            r["num_sampled"] == 4 and r["num_clients"] == 1 and r["num_rejected"] == 1
+        )
         assert any("malformed" in e for e in r["errors"])
         assert torch.isfinite(torch.tensor(r["loss"]))
 

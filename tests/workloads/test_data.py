@@ -54,7 +54,9 @@ def test_dirichlet_skews_labels_more_with_small_alpha():
 
     def skew(alpha):
         parts = split_indices(groups, 10, "dirichlet", seed=0, alpha=alpha)
-        return np.mean([np.bincount(groups[p], minlength=10).max() / len(p) for p in parts])
+        return np.mean(
+            [np.bincount(groups[p], minlength=10).max() / len(p) for p in parts]
+        )
 
     assert skew(0.1) > skew(100.0) + 0.2
 

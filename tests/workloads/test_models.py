@@ -22,17 +22,23 @@ def test_forward_loss_and_blocks(name):
 
 def test_gpt_blocks_are_embed_layers_head():
     model = get_workload("gpt-tiny").make_model(0)
-    assert [b.name for b in as_blocks(model)] == ["embed", "layers.0", "layers.1", "head"]
+    assert [b.name for b in as_blocks(model)] == [
+        "embed",
+        "layers.0",
+        "layers.1",
+        "head",
+    ]
 
 
 def test_same_seed_same_weights_other_seed_differs():
     wl = get_workload("digits-cnn")
     a, b, c = wl.make_model(3), wl.make_model(3), wl.make_model(4)
-    for (k, va), vb, vc in zip(a.state_dict().items(), b.state_dict().values(),
-                               c.state_dict().values()):
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(va, vb), k
-    assert any(not torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                      c.state_dict().values()))
+    assert any(
+        not torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), c.state_dict().values())
+    )
 
 
 def test_gpt_parameter_counts_match_their_names():
@@ -67,5 +73,11 @@ def test_sequence_longer_than_context_is_refused():
 
 
 def test_every_builtin_is_listed():
-    assert {"digits-cnn", "digits-mlp", "gpt-tiny", "gpt-byte", "gpt2-small",
-            "gpt2-medium"} <= set(BUILTIN_WORKLOADS)
+    assert {
+        "digits-cnn",
+        "digits-mlp",
+        "gpt-tiny",
+        "gpt-byte",
+        "gpt2-small",
+        "gpt2-medium",
+    } <= set(BUILTIN_WORKLOADS)

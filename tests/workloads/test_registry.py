@@ -44,19 +44,28 @@ def test_module_function_workload_from_current_directory(user_module):
 
 def test_module_function_loads_in_a_child_process(user_module):
     code = "from workloads import get_workload; print(get_workload('myjob:build').kind)"
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd="/",
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(),
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "custom"
 
 
-@pytest.mark.parametrize("spec,msg", [
-    ("nope", "unknown workload 'nope'"),
-    ("a:b:c", "malformed workload 'a:b:c'"),
-    ("my job:build", "malformed workload"),
-    ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
-    ("json:no_such_function", "has no function 'no_such_function'"),
-    ("", "workload must be"),
-])
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        ("nope", "unknown workload 'nope'"),
+        ("a:b:c", "malformed workload 'a:b:c'"),
+        ("my job:build", "malformed workload"),
+        ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+        ("json:no_such_function", "has no function 'no_such_function'"),
+        ("", "workload must be"),
+    ],
+)
 def test_bad_workload_names(spec, msg):
     with pytest.raises(WorkloadError, match=msg):
         get_workload(spec)

@@ -1,0 +1,85 @@
+"""The ClientApp called directly with built messages."""
+
+import pytest
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
+
+from client.app import app
+from server.protocol import TrainInstruction
+from tests import fakes  # noqa: F401  (sets Flower's task identity)
+from workloads import get_workload
+
+
+def ctx(node_config):
+    return Context(
+        run_id=1, node_id=5, node_config=node_config, state=RecordDict(), run_config={}
+    )
+
+
+def train_msg(workload="digits-mlp", **kw):
+    model = get_workload(workload).make_model(0)
+    ins = TrainInstruction(
+        server_round=1,
+        workload=workload,
+        local_steps=3,
+        lr=0.01,
+        seed=0,
+        split="iid",
+        dirichlet_alpha=0.5,
+        batch_size=0,
+        seq_len=0,
+    )
+    config = {**ins.to_config(), **kw}
+    content = RecordDict(
+        {"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord(config)}
+    )
+    return Message(content, 5, MessageType.TRAIN), model
+
+
+def test_train_replies_with_changed_arrays_and_metrics():
+    msg, model = train_msg()
+    reply = app(msg, ctx({"partition-id": 1, "num-partitions": 4}))
+    assert not reply.has_error()
+    metrics = reply.content.metric_records["metrics"]
+    assert metrics["num-examples"] > 300 and metrics["partition-id"] == 1
+    new = reply.content.array_records["arrays"].to_torch_state_dict()
+    old = model.state_dict()
+    assert set(new) == set(old)
+    assert any(not torch.equal(new[k], old[k]) for k in old)
+
+
+def test_query_reports_node_facts():
+    msg = Message(RecordDict({"config": ConfigRecord({})}), 5, MessageType.QUERY)
+    reply = app(msg, ctx({"partition-id": 2, "num-partitions": 3}))
+    assert dict(reply.content.config_records["node"]) == {
+        "partition-id": 2,
+        "num-partitions": 3,
+    }
+
+
+@pytest.mark.parametrize(
+    "node_config,needle",
+    [
+        ({}, "partition-id"),
+        ({"partition-id": 5, "num-partitions": 2}, "partition-id=5"),
+        ({"partition-id": "x", "num-partitions": 2}, "must be integers"),
+    ],
+)
+def test_bad_node_config_becomes_an_error_reply(node_config, needle):
+    msg, _ = train_msg()
+    reply = app(msg, ctx(node_config))
+    assert reply.has_error() and needle in reply.error.reason
+
+
+def test_unknown_workload_in_instruction_is_an_error_reply():
+    msg, _ = train_msg()
+    msg.content.config_records["config"]["workload"] = "nope"
+    reply = app(msg, ctx({"partition-id": 0, "num-partitions": 2}))
+    assert reply.has_error() and "unknown workload 'nope'" in reply.error.reason

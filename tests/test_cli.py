@@ -1,0 +1,61 @@
+"""The fleetfit command: bad input fails before any work, naming the value."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fleetfit.cli import format_rounds, main
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--workload", "a:b:c"], "malformed workload 'a:b:c'"),
+        (["--rounds", "-1"], "-1 must be at least 1"),
+        (["--rounds", "zero"], "'zero' is not an integer"),
+        (["--clients", "5000"], "5000 clients but only 1442 items"),
+        (["--split", "natural", "--clients", "11"], "10 groups for 11 clients"),
+        (["--fraction", "2"], "fraction-train=2.0"),
+    ],
+)
+def test_simulate_rejects_bad_input_fast(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        sys.exit(main(["simulate", *args]))
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_format_rounds_table():
+    text = format_rounds(
+        {
+            "rounds": [
+                {
+                    "round": 1,
+                    "num_clients": 3,
+                    "num_sampled": 4,
+                    "accuracy": 0.5,
+                    "loss": 1.0,
+                    "train_loss": 1.2,
+                    "round_s": 2.0,
+                }
+            ]
+        }
+    )
+    assert (
+        "3/4" in text
+        and "0.5000" in text
+        and text.splitlines()[0].split()[0] == "round"
+    )
+
+
+def test_console_script_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "fleetfit.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "simulate" in out.stdout
