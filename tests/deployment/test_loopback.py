@@ -1,0 +1,227 @@
+"""A real deployment on loopback: a SuperLink, two SuperNodes and ``flwr run .``.
+
+Every process this test starts is stopped at the end, also when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Processes:
+    """Child processes in their own process groups, reaped at the end."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(
+        self, name: str, args: list[str], env: dict[str, str]
+    ) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115
+        p = subprocess.Popen(
+            args,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def wait_healthy(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"SuperLink on port {port} not healthy after {timeout_s} s")
+
+
+def test_superlink_two_supernodes_flwr_run(tmp_path):
+    env = dict(
+        os.environ,
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    port = free_port()
+    procs = Processes(tmp_path)
+    try:
+        procs.start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database",
+                str(tmp_path / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+            dict(env, FLWR_HOME=str(tmp_path / "link")),
+        )
+        for i in range(2):
+            procs.start(
+                f"supernode{i}",
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions=2",
+                ],
+                dict(env, FLWR_HOME=str(tmp_path / f"node{i}")),
+            )
+        wait_healthy(port)
+        home = tmp_path / "cli"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
+            f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+        )
+        out = tmp_path / "run"
+        run_config = f"num-server-rounds=2 local-steps=20 min-nodes=2 out='{out}'"
+        done = subprocess.run(
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                "loopback",
+                "--stream",
+                "--run-config",
+                run_config,
+            ],
+            env=dict(env, FLWR_HOME=str(home)),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
+        assert all(r["num_clients"] == 2 for r in summary["rounds"])
+        assert summary["rounds"][-1]["accuracy"] > 0.5
+        assert (out / "model.safetensors").exists()
+    finally:
+        procs.stop()
+    assert all(p.poll() is not None for p in procs.procs)
+
+
+def test_flwr_run_local_simulation(tmp_path):
+    """``flwr run .`` on Flower's managed local simulation SuperLink, then stop it."""
+    http_port, control_port = free_port(), free_port()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n'
+    )
+    env = dict(
+        os.environ,
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_HOME=str(home),
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
+        FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    out = tmp_path / "run"
+    try:
+        done = subprocess.run(
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                "local",
+                "--stream",
+                "--federation-config",
+                "num-supernodes=3",
+                "--run-config",
+                f"num-server-rounds=2 local-steps=10 min-nodes=3 out='{out}'",
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert [r["num_clients"] for r in summary["rounds"]] == [3, 3], done.stdout
+    finally:
+        stop_local_superlink(str(home))
+    assert not local_superlink_pids(str(home))
+
+
+def local_superlink_pids(flwr_home: str) -> list[int]:
+    """PIDs of superlink processes whose environment names this FLWR_HOME."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            envb = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"flower-superlink" in cmd and f"FLWR_HOME={flwr_home}".encode() in envb:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_local_superlink(flwr_home: str) -> None:
+    for pid in local_superlink_pids(flwr_home):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while local_superlink_pids(flwr_home) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    for pid in local_superlink_pids(flwr_home):
+        os.kill(pid, signal.SIGKILL)
