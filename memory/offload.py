@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -76,7 +77,7 @@ class OffloadedActivations:
         self.min_bytes = min_bytes
         self._keep = {t.untyped_storage().data_ptr() for t in keep if t.numel()}
         self._pending: dict[int, _Stored] = {}
-        self._file = None
+        self._file: BinaryIO | None = None
         self.bytes_offloaded = 0
 
     def hooks(self) -> AbstractContextManager:
@@ -114,7 +115,7 @@ class OffloadedActivations:
                 if self._file is None:
                     self._file = open(self.path, "wb+")  # noqa: SIM115 - closed in release
                 stored.file_offset = self._file.tell()
-                self._file.write(memoryview(_bytes_of(storage).numpy()))
+                self._file.write(_bytes_of(storage).numpy().data)
                 self.bytes_offloaded += stored.nbytes
             stored.tensor = None
         self._pending = {}
@@ -126,6 +127,7 @@ class OffloadedActivations:
             return h
         assert isinstance(h, _Handle)
         stored = h.stored
+        storage: torch.UntypedStorage | None
         if stored.tensor is not None:  # backward before commit (not our executor)
             storage = stored.tensor.untyped_storage()
         elif stored.live is not None:
@@ -144,7 +146,7 @@ class OffloadedActivations:
             return stored.host.to(device).untyped_storage()
         assert self._file is not None, "saved activations were released"
         buf = torch.empty(stored.nbytes, dtype=torch.uint8)
-        got = os.preadv(self._file.fileno(), [buf.numpy()], stored.file_offset)
+        got = os.preadv(self._file.fileno(), [buf.numpy().data], stored.file_offset)
         if got != stored.nbytes:
             raise OSError(f"short read of offloaded activations in {self.path}")
         return buf.untyped_storage()

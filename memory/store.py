@@ -185,7 +185,7 @@ class BlockStore:
         try:
             os.ftruncate(fd, size)  # zeros: AdamW's initial state, step 0
             for slot, t in zip(slots, tensors, strict=True):
-                os.pwrite(fd, _tensor_bytes(t), params + slot.offset)
+                os.pwrite(fd, _tensor_bytes(t).data, params + slot.offset)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except BaseException:

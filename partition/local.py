@@ -367,6 +367,7 @@ class LocalExecutor:
             loss.backward()
             self._loss += float(loss.detach())
             if gin is not None:
+                assert xj.grad is not None
                 gin[lo:hi] = xj.grad
         self._fwd[(i, k)] = "done"
         self._gin[(i, k)] = None if gin is None else gin.view_as(x)
