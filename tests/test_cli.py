@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from fleetfit.cli import format_rounds, main
+from fleetfit.cli import main
+from fleetfit.cmd_simulate import format_rounds
 
 
 @pytest.mark.parametrize(
