@@ -52,8 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        print("interrupted: stopping what this command started", file=sys.stderr)
+        _stop_ray()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Flower's in-process ServerApp runs in a non-daemon thread that may be waiting
+        # for replies that will never come; exit without joining it.
+        os._exit(130)
     except (ValueError, FileNotFoundError, TimeoutError) as e:
         # Bad input and clear failures: one line naming the value and the fix.
         print(f"fleetfit: error: {e}", file=sys.stderr)
