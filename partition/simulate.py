@@ -1,0 +1,311 @@
+"""Event-driven simulation of a pipeline schedule: step time, bubble, peak memory, timeline.
+
+Each rank runs its action list in order; an action starts when the rank is free and
+everything it needs has arrived (``partition.schedule.action_deps``). A tensor that
+crosses ranks arrives after the link's latency plus its bytes over the bandwidth, and
+transfers between one pair of ranks take turns on that link. Memory per stage is its
+static bytes (parameters, gradients, optimizer state, workspace) plus the activations
+of the micro-batches whose forward has run and whose backward (``B``, or ``W`` after a
+split) has not.
+
+Example:
+    >>> s = build_schedule("GPipe", 4, 8)  # doctest: +SKIP
+    >>> r = simulate(s, [StageCost(1.0, 2.0)] * 4)  # doctest: +SKIP
+    >>> round(r.bubble_ratio, 3)  # (p - 1) / m  # doctest: +SKIP
+    0.375
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from partition.schedule import Action, Schedule, action_deps, action_key
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs per micro-batch.
+
+    Attributes:
+        forward_s: forward seconds (the last stage's includes the loss).
+        backward_s: full backward seconds (``B``); a split backward takes
+            ``input_grad_share`` of it for ``I`` and the rest for ``W``.
+        activation_bytes: bytes held from a micro-batch's forward to its backward.
+        static_bytes: parameters, gradients, optimizer state and workspace.
+        output_bytes: bytes sent to the next stage (the gradient sent back is as big).
+        input_grad_share: share of the backward that computes the input gradient.
+        weight_grad_bytes: of ``activation_bytes``, what is still held after ``I``
+            until ``W`` (default: half).
+    """
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: int = 0
+    static_bytes: int = 0
+    output_bytes: int = 0
+    input_grad_share: float = 0.5
+    weight_grad_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action as it ran: rank, the action, start and end seconds."""
+
+    rank: int
+    action: str
+    stage: int
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated step gives.
+
+    Attributes:
+        step_s: time from the first action to the last (plus ``allreduce_s``).
+        busy_s: per rank, seconds spent computing.
+        bubble_share: idle share of rank-time: 1 - sum(busy) / (ranks x step).
+        bubble_ratio: idle over busy time, (ranks x step - sum(busy)) / sum(busy): the
+            (p - 1) / m of the textbooks.
+        stage_peak_bytes: per stage, static bytes plus the peak of its held activations.
+        rank_peak_bytes: per rank, the peak of all its stages together.
+        max_in_flight: per stage, the most micro-batches whose activations it held.
+        events: every action with its times.
+        allreduce_s: data-parallel gradient reduction added after the pipeline.
+    """
+
+    step_s: float
+    busy_s: list[float]
+    bubble_share: float
+    bubble_ratio: float
+    stage_peak_bytes: list[int]
+    rank_peak_bytes: list[int]
+    max_in_flight: list[int]
+    events: list[Event] = field(repr=False)
+    allreduce_s: float = 0.0
+
+
+TransferFn = Callable[[int, int, int], float]
+"""``transfer(src_rank, dst_rank, nbytes)``: seconds to move a tensor between ranks."""
+
+
+def _duration(a: Action, c: StageCost) -> float:
+    if a.kind == "F":
+        return c.forward_s
+    if a.kind == "B":
+        return c.backward_s
+    if a.kind == "I":
+        return c.backward_s * c.input_grad_share
+    if a.kind == "W":
+        return c.backward_s * (1 - c.input_grad_share)
+    return 0.0
+
+
+def simulate(
+    schedule: Schedule,
+    costs: list[StageCost],
+    transfer: TransferFn | None = None,
+    *,
+    allreduce_s: float = 0.0,
+) -> SimResult:
+    """Run ``schedule`` in simulated time.
+
+    Args:
+        schedule: a pipeline schedule (``partition.pipeline.build_schedule``).
+        costs: one ``StageCost`` per stage.
+        transfer: seconds to move ``nbytes`` from one rank to another (default: free).
+        allreduce_s: seconds of data-parallel gradient reduction after the last action.
+
+    Raises:
+        ValueError: the schedule deadlocks or costs do not match its stages.
+    """
+    s = schedule
+    if len(costs) != s.num_stages:
+        raise ValueError(f"{len(costs)} stage costs for {s.num_stages} stages")
+    explicit = any(a.kind.startswith(("SEND", "RECV")) for r in s.ranks for a in r)
+    finish: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * len(s.ranks)
+    link_free: dict[tuple[int, int], float] = {}
+    pos = [0] * len(s.ranks)
+    events: list[Event] = []
+    busy = [0.0] * len(s.ranks)
+
+    def arrival(dep: tuple[str, int, int], st: int) -> float:
+        """When what ``dep`` produced is usable on stage ``st``'s rank."""
+        t = finish[dep]
+        kind, src_stage, _ = dep
+        if explicit or kind not in ("F", "G") or transfer is None:
+            return t
+        a, b = s.stage_ranks[src_stage], s.stage_ranks[st]
+        if a == b:
+            return t
+        nbytes = costs[src_stage if kind == "F" else st].output_bytes
+        start = max(t, link_free.get((a, b), 0.0))
+        end = start + transfer(a, b, nbytes)
+        link_free[(a, b)] = end
+        finish[dep] = t  # unchanged; arrival is per consumer
+        return end
+
+    arrived: dict[tuple[tuple[str, int, int], int], float] = {}
+    while True:
+        progress = False
+        for r, acts in enumerate(s.ranks):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.stage is None:  # STEP: local, instant here
+                    pos[r] += 1
+                    progress = True
+                    continue
+                deps = action_deps(s, a, explicit)
+                if not all(d in finish for d in deps):
+                    break
+                ready = free[r]
+                for d in deps:
+                    key = (d, a.stage)
+                    if key not in arrived:
+                        arrived[key] = arrival(d, a.stage)
+                    ready = max(ready, arrived[key])
+                c = costs[a.stage]
+                dur = _duration(a, c)
+                if a.kind.startswith("SEND") and transfer is not None:
+                    peer = a.stage + (1 if a.kind == "SEND_F" else -1)
+                    dur = transfer(r, s.stage_ranks[peer], c.output_bytes)
+                assert a.microbatch is not None
+                events.append(
+                    Event(r, str(a), a.stage, a.kind, a.microbatch, ready, ready + dur)
+                )
+                free[r] = ready + dur
+                if a.kind in ("F", "B", "I", "W"):
+                    busy[r] += dur
+                for key2 in action_key(a):
+                    finish[key2] = free[r]
+                pos[r] += 1
+                progress = True
+        if not progress:
+            break
+    stuck = [r for r, acts in enumerate(s.ranks) if pos[r] < len(acts)]
+    if stuck:
+        r = stuck[0]
+        raise ValueError(
+            f"the schedule deadlocks: rank {r} waits at step {pos[r]} "
+            f"({s.ranks[r][pos[r]]}); check it with partition.schedule.validate"
+        )
+    step = max((e.end_s for e in events), default=0.0)
+    ranks = len(s.ranks)
+    total_busy = sum(busy)
+    stage_peak, in_flight, rank_peak = _memory(s, costs, events)
+    step_total = step + allreduce_s
+    return SimResult(
+        step_s=step_total,
+        busy_s=busy,
+        bubble_share=1 - total_busy / (ranks * step) if step else 0.0,
+        bubble_ratio=(ranks * step - total_busy) / total_busy if total_busy else 0.0,
+        stage_peak_bytes=stage_peak,
+        rank_peak_bytes=rank_peak,
+        max_in_flight=in_flight,
+        events=events,
+        allreduce_s=allreduce_s,
+    )
+
+
+def _memory(
+    s: Schedule, costs: list[StageCost], events: list[Event]
+) -> tuple[list[int], list[int], list[int]]:
+    """Per-stage peak bytes, per-stage most micro-batches held, per-rank peak bytes."""
+    deltas: list[tuple[float, int, int, int]] = []  # time, order, stage, bytes
+    counts: list[tuple[float, int, int, int]] = []
+    for e in events:
+        c = costs[e.stage]
+        wbytes = (
+            c.weight_grad_bytes
+            if c.weight_grad_bytes is not None
+            else c.activation_bytes // 2
+        )
+        if e.kind == "F":
+            # held from the start of the forward (it builds them as it runs)
+            deltas.append((e.start_s, 1, e.stage, c.activation_bytes))
+            counts.append((e.start_s, 1, e.stage, 1))
+        elif e.kind == "B":
+            deltas.append((e.end_s, 0, e.stage, -c.activation_bytes))
+            counts.append((e.end_s, 0, e.stage, -1))
+        elif e.kind == "I":
+            deltas.append((e.end_s, 0, e.stage, -(c.activation_bytes - wbytes)))
+        elif e.kind == "W":
+            deltas.append((e.end_s, 0, e.stage, -wbytes))
+            counts.append((e.end_s, 0, e.stage, -1))
+    deltas.sort()
+    counts.sort()
+    n = s.num_stages
+    live = [0] * n
+    peak = [0] * n
+    ranks = len(s.ranks)
+    rank_live = [0] * ranks
+    rank_peak = [0] * ranks
+    for _t, _o, st, b in deltas:
+        live[st] += b
+        peak[st] = max(peak[st], live[st])
+        r = s.stage_ranks[st]
+        rank_live[r] += b
+        rank_peak[r] = max(rank_peak[r], rank_live[r])
+    held = [0] * n
+    most = [0] * n
+    for _t, _o, st, k in counts:
+        held[st] += k
+        most[st] = max(most[st], held[st])
+    stage_peak = [costs[i].static_bytes + peak[i] for i in range(n)]
+    for i in range(n):
+        rank_peak[s.stage_ranks[i]] += costs[i].static_bytes
+    return stage_peak, most, rank_peak
+
+
+def timeline_png(result: SimResult, path: str | Path, *, title: str = "") -> Path:
+    """Draw the simulated step as a Gantt chart (one row per rank) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+    ranks = 1 + max((e.rank for e in result.events), default=0)
+    fig, ax = plt.subplots(figsize=(10, 0.6 * ranks + 1.2))
+    for e in result.events:
+        if e.kind not in colours:
+            continue
+        ax.barh(
+            e.rank,
+            e.end_s - e.start_s,
+            left=e.start_s,
+            color=colours[e.kind],
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        if e.end_s - e.start_s > result.step_s / 60:
+            ax.text(
+                (e.start_s + e.end_s) / 2,
+                e.rank,
+                f"{e.stage}{e.kind}{e.microbatch}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(
+        (title + "  " if title else "")
+        + f"step {result.step_s:.3f} s, bubble {result.bubble_share:.1%}"
+    )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
