@@ -1,8 +1,13 @@
 """fleetfit's ClientApp (Flower Message API).
 
-- ``query``: replies with the node's facts (partition id, count).
-- ``train``: loads the global arrays, trains ``local-steps`` on its share of the data,
-  replies with ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, ...).
+- ``query``: replies with the node's facts: partition id and count, memory and disk
+  budgets (``client.config``), device memory and disk, measured compute rate.
+- ``train``: runs the server's assignment (``full``: the whole model under its plan;
+  ``part``: a window of blocks and the head; ``none``: replies that nothing fits, with
+  the smallest budget that would) on its share of the data, and replies with the
+  trained ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, the measured
+  peak of its training work, the bytes of the message it received, ...). A stock
+  strategy's instruction (no fleetfit keys) trains the whole model plainly.
 - ``evaluate``: evaluates the received arrays on the held-out data.
 
 Errors raised here become error replies: the round goes on without this node.
@@ -11,7 +16,9 @@ Errors raised here become error replies: the round goes on without this node.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 from collections.abc import Callable
 
 from flwr.app import (
@@ -25,8 +32,18 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from client.config import NodeConfig
-from client.train import train_local
+from client.config import (
+    FLEET_DISK,
+    FLEET_MEMORY,
+    FLEET_SPEEDS,
+    NodeConfig,
+    available_memory_bytes,
+    free_disk_bytes,
+    total_memory_bytes,
+)
+from client.train import draw_batches, train_assigned
+from memory.profile import measure_flops_per_s
+from memory.spec import MemoryPlan
 from server import protocol
 from workloads import get_workload
 
@@ -54,35 +71,76 @@ def _error_reply(handler: Handler) -> Handler:
     return wrapped
 
 
+def _node(context: Context, extra: dict | None = None) -> NodeConfig:
+    fleet = {
+        k: v
+        for k, v in {**dict(context.run_config), **(extra or {})}.items()
+        if k in (FLEET_MEMORY, FLEET_DISK, FLEET_SPEEDS)
+    }
+    return NodeConfig.from_node_config(dict(context.node_config), fleet)
+
+
 @app.query()
 @_error_reply
 def query(msg: Message, context: Context) -> Message:
-    node = NodeConfig.from_node_config(dict(context.node_config))
+    asked = dict(msg.content.config_records.get(protocol.CONFIG, {}))
+    node = _node(context, asked)
     facts = ConfigRecord(
         {
             protocol.PARTITION_ID: node.partition_id,
             protocol.NUM_PARTITIONS: node.num_partitions,
+            protocol.BUDGET_BYTES: node.budget_bytes,
+            protocol.DISK_BUDGET_BYTES: node.disk_budget_bytes,
+            protocol.BUDGET_SOURCE: node.budget_source,
+            protocol.TOTAL_MEMORY_BYTES: total_memory_bytes(),
+            protocol.AVAILABLE_MEMORY_BYTES: available_memory_bytes(),
+            protocol.FREE_DISK_BYTES: free_disk_bytes(node.offload_dir),
+            protocol.FLOPS_PER_S: measure_flops_per_s() * node.speed_factor,
+            protocol.NUM_CPUS: os.cpu_count() or 1,
         }
     )
     return Message(RecordDict({protocol.NODE: facts}), reply_to=msg)
 
 
+def message_bytes(content: RecordDict) -> int:
+    """Bytes of a received message's payload: its arrays and its config values."""
+    total = 0
+    for rec in content.array_records.values():
+        total += sum(len(a.data) for a in rec.values())
+    for cfg in content.config_records.values():
+        total += sum(len(str(k)) + len(str(v)) for k, v in cfg.items())
+    return total
+
+
 @app.train()
 @_error_reply
 def train(msg: Message, context: Context) -> Message:
-    node = NodeConfig.from_node_config(dict(context.node_config))
+    node = _node(context)
+    received = message_bytes(msg.content)
     ins = protocol.TrainInstruction.from_config(
-        dict(msg.content.config_records[protocol.CONFIG])
+        dict(msg.content.config_records.get(protocol.CONFIG, {}))
     )
+    report = ConfigRecord({"kind": ins.kind})
+    if ins.kind == "none":
+        log.warning("no part of the model fits this node: %s", ins.reason)
+        metrics = MetricRecord(
+            {
+                protocol.NUM_EXAMPLES: 0,
+                protocol.PARTITION_ID: node.partition_id,
+                protocol.MIN_BUDGET_BYTES: ins.min_budget_bytes,
+                protocol.MESSAGE_BYTES: received,
+            }
+        )
+        report["reason"] = ins.reason
+        return Message(
+            RecordDict({protocol.METRICS: metrics, protocol.REPORT: report}),
+            reply_to=msg,
+        )
     workload = get_workload(
         ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
     )
-    model = workload.make_model(ins.seed)
-    model.load_state_dict(
-        msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-    )
-    result = train_local(
-        model,
+    state = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
+    batches, num_examples, torch_seed = draw_batches(
         workload,
         node.partition_id,
         node.num_partitions,
@@ -91,18 +149,41 @@ def train(msg: Message, context: Context) -> Message:
         seed=ins.seed,
         server_round=ins.server_round,
         local_steps=ins.local_steps,
-        lr=ins.lr,
     )
+    result = train_assigned(
+        state,
+        workload,
+        batches,
+        num_examples=num_examples,
+        torch_seed=torch_seed,
+        plan=MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None,
+        window=(ins.window_start, ins.window_stop) if ins.kind == "part" else None,
+        lr=ins.lr,
+        measure=ins.measure,
+        offload_dir=node.offload_dir,
+    )
+    del state
     metrics = MetricRecord(
         {
             protocol.NUM_EXAMPLES: result.num_examples,
             protocol.TRAIN_LOSS: result.mean_loss,
             protocol.TRAIN_S: result.train_s,
             protocol.PARTITION_ID: node.partition_id,
+            protocol.PEAK_BYTES: result.peak_bytes,
+            protocol.BASELINE_BYTES: result.baseline_bytes,
+            protocol.MESSAGE_BYTES: received,
+            protocol.STEPS_DONE: result.steps,
         }
     )
+    report["peak-method"] = result.method
+    if ins.kind == "part":
+        report["window"] = [ins.window_start, ins.window_stop]
     content = RecordDict(
-        {protocol.ARRAYS: ArrayRecord(model.state_dict()), protocol.METRICS: metrics}
+        {
+            protocol.ARRAYS: ArrayRecord(result.state),
+            protocol.METRICS: metrics,
+            protocol.REPORT: report,
+        }
     )
     return Message(content, reply_to=msg)
 

@@ -1,15 +1,53 @@
-"""Local training on a client's share of the data."""
+"""Local training on a client's share of the data, under the server's assignment.
+
+- ``full``: the whole model, under a ``MemoryPlan`` (``partition.local.LocalExecutor``)
+  or plainly (torch AdamW) when the instruction carries no plan.
+- ``part``: successive layer training. Blocks ``[0, start)`` are frozen and run under
+  ``no_grad`` in eval mode (no activation is stored, no batch statistic changes); the
+  window ``[start, stop)`` and the head (the last block, which holds the loss) are
+  trained; blocks ``[stop, last)`` are frozen but still run forward and backward, so
+  that the loss's gradient reaches the window (their activations are kept or
+  recomputed as the plan says; they have no gradients and no optimizer state). A tied
+  parameter is trained only when the block that owns it (the first block using it) is
+  trained: GPT-2's head projection is the token embedding, so it trains only in
+  windows that start at block 0. The chain ``[start, last]`` runs under the plan.
+
+Measuring the peak (what a budget bounds: the training work's peak resident memory):
+
+- ``child`` (default): the work runs in a fresh process through
+  ``memory.measure.measure_in_child`` (``MALLOC_MMAP_THRESHOLD_=65536``): the peak is
+  its ``VmHWM`` minus its RSS right after imports. The child builds the model, reads
+  the received arrays from a file one tensor at a time, trains on batches drawn by the
+  parent and written to a file (so it never holds the dataset) and writes the trained
+  arrays back. Everything the training holds counts.
+- ``inline``: in this process: ``VmHWM`` is reset (``/proc/self/clear_refs``) before
+  the work and the peak is ``VmHWM`` after it minus the RSS before it. Cheaper (no
+  process start), but glibc may reuse memory freed earlier, so it can read low: use it
+  for tests and trusted fleets, not to check budgets.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401  (AdamW's first step imports it: ~80 MB, an import)
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workloads import Workload
+from memory.blocks import as_blocks
+from memory.measure import measure_in_child, peak_rss_bytes, reset_peak, rss_bytes
+from memory.spec import MemoryPlan
+from partition.local import LocalExecutor
+from workloads import Workload, get_workload
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -17,10 +55,14 @@ class TrainResult:
     num_examples: int  # items in the client's share (images, or corpus chunks)
     mean_loss: float  # mean training loss over the local steps
     train_s: float  # wall time of the local steps, seconds
+    state: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    peak_bytes: int = 0  # measured peak of the training work above its baseline
+    baseline_bytes: int = 0  # RSS the peak is measured from
+    method: str = "inline"  # child | inline | inline-unreset
+    steps: int = 0
 
 
-def train_local(
-    model: nn.Module,
+def draw_batches(
     workload: Workload,
     partition_id: int,
     num_partitions: int,
@@ -30,26 +72,290 @@ def train_local(
     seed: int,
     server_round: int,
     local_steps: int,
-    lr: float,
-) -> TrainResult:
-    """``local_steps`` AdamW steps on this client's share; batch order from the seeds."""
+) -> tuple[list[Batch], int, int]:
+    """This round's batches, the share's item count, and the torch seed of the steps.
+
+    The batch order derives from (seed, round, partition), so a rerun draws the same.
+    """
     items = workload.client_items(
         partition_id, num_partitions, split, seed=seed, alpha=alpha
     )
     data_seed, torch_seed = np.random.SeedSequence(
         [seed, server_round, partition_id]
     ).generate_state(2)
-    batches = workload.batches(items, seed=int(data_seed))
-    torch.manual_seed(int(torch_seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    stream = workload.batches(items, seed=int(data_seed))
+    return [next(stream) for _ in range(local_steps)], len(items), int(torch_seed)
+
+
+def trainable_blocks(num_blocks: int, window: tuple[int, int] | None) -> list[int]:
+    """Indices of the blocks a window trains (all blocks for ``None``)."""
+    if window is None:
+        return list(range(num_blocks))
+    start, stop = window
+    if not 0 <= start <= stop <= num_blocks - 1:
+        raise ValueError(
+            f"window [{start}, {stop}) is outside the model's {num_blocks - 1} "
+            "blocks before the head"
+        )
+    return [*range(start, stop), num_blocks - 1]
+
+
+def freeze_for_window(model: nn.Module, window: tuple[int, int] | None) -> list[str]:
+    """Set ``requires_grad`` for a window; return the state-dict keys it trains.
+
+    Trained keys: parameters that end up trainable (a tied parameter follows its
+    owner, the first block using it) and the buffers of trained blocks.
+    """
+    blocks = as_blocks(model)
+    train = set(trainable_blocks(len(blocks), window))
+    owner: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.module.parameters():
+            owner.setdefault(id(p), i)
+    for p in model.parameters():
+        p.requires_grad_(owner.get(id(p), -1) in train)
+    prefixes = [b.name + "." for i, b in enumerate(blocks) if i in train]
+    keys = [
+        k for k, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    ]
+    keys += [k for k, _ in model.named_buffers() if k.startswith(tuple(prefixes))]
+    return keys
+
+
+def train_chain(
+    model: nn.Module,
+    loss_fn: Any,
+    batches: list[Batch],
+    *,
+    plan: MemoryPlan | None,
+    window: tuple[int, int] | None,
+    lr: float,
+    offload_dir: str | None = None,
+) -> tuple[list[float], list[str]]:
+    """Train ``model`` in place on ``batches``; return the losses and trained keys."""
+    keys = freeze_for_window(model, window)
+    losses: list[float] = []
+    if window is None and plan is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        model.train()
+        for inputs, targets in batches:
+            loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses, keys
+    blocks = as_blocks(model)
+    start = 0 if window is None else window[0]
+    stop = len(blocks) - 1 if window is None else window[1]
+    prefix = [b.module for b in blocks[:start]]
+    chain = nn.Sequential(*[b.module for b in blocks[start:]])
     model.train()
-    total = 0.0
-    t0 = time.monotonic()
-    for _ in range(local_steps):
-        inputs, targets = next(batches)
-        loss = workload.loss_fn(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total += float(loss.detach())
-    return TrainResult(len(items), total / local_steps, time.monotonic() - t0)
+    for i, b in enumerate(blocks):
+        if i < start or stop <= i < len(blocks) - 1:
+            b.module.eval()  # frozen: no batch statistics change
+    if plan is None:
+        plan = MemoryPlan.plain([str(i) for i in range(len(chain))])
+    elif len(plan.blocks) != len(chain):
+        raise ValueError(
+            f"the plan has {len(plan.blocks)} blocks but the trained chain has "
+            f"{len(chain)} (blocks {start}..{len(blocks) - 1})"
+        )
+    plan = replace(
+        plan,
+        blocks=tuple(replace(bp, name=str(i)) for i, bp in enumerate(plan.blocks)),
+    )
+    with LocalExecutor(chain, loss_fn, plan, lr=lr, offload_dir=offload_dir) as ex:
+        for inputs, targets in batches:
+            x = inputs
+            if prefix:
+                with torch.no_grad():
+                    for m in prefix:
+                        x = m(x)
+            losses.append(ex.step(x, targets))
+        ex.close(restore=True)
+    return losses, keys
+
+
+def _load_into(model: nn.Module, arrays_file: str) -> None:
+    """Copy tensors from a safetensors file into ``model``, one at a time."""
+    own = model.state_dict(keep_vars=True)
+    with safe_open(arrays_file, framework="pt") as f, torch.no_grad():
+        for key in f.keys():  # noqa: SIM118
+            own[key].copy_(f.get_tensor(key))
+
+
+def train_in_child(
+    workload: str,
+    arrays_file: str,
+    batches_file: str,
+    out_file: str,
+    *,
+    plan: dict[str, Any] | None,
+    window: list[int] | None,
+    lr: float,
+    torch_seed: int,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    offload_dir: str | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The measured child's work: build, load, train, write the trained arrays."""
+    if threads:
+        torch.set_num_threads(threads)
+    wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+    model = wl.make_model(0)
+    _load_into(model, arrays_file)
+    data = load_file(batches_file)
+    batches = [
+        (data[f"inputs.{i}"], data[f"targets.{i}"])
+        for i in range(sum(k.startswith("inputs.") for k in data))
+    ]
+    del data
+    torch.manual_seed(torch_seed)
+    t0 = time.perf_counter()
+    losses, keys = train_chain(
+        model,
+        wl.loss_fn,
+        batches,
+        plan=None if plan is None else MemoryPlan.from_dict(plan),
+        window=None if window is None else (window[0], window[1]),
+        lr=lr,
+        offload_dir=offload_dir,
+    )
+    train_s = time.perf_counter() - t0
+    state = model.state_dict()
+    save_file({k: state[k].detach().contiguous() for k in keys}, out_file)
+    return {"losses": losses, "train_s": train_s}
+
+
+def train_assigned(
+    model_state: dict[str, torch.Tensor],
+    workload: Workload,
+    batches: list[Batch],
+    *,
+    num_examples: int,
+    torch_seed: int,
+    plan: MemoryPlan | None,
+    window: tuple[int, int] | None,
+    lr: float,
+    measure: str,
+    offload_dir: str | None = None,
+) -> TrainResult:
+    """Train under an assignment and measure the peak of the work (see module doc)."""
+    if measure == "child":
+        return _train_child(
+            model_state,
+            workload,
+            batches,
+            num_examples=num_examples,
+            torch_seed=torch_seed,
+            plan=plan,
+            window=window,
+            lr=lr,
+            offload_dir=offload_dir,
+        )
+    method = "inline"
+    try:
+        reset_peak()
+    except OSError:
+        method = "inline-unreset"  # VmHWM then includes this process's earlier peak
+    rss0 = rss_bytes()
+    model = workload.make_model(0)
+    model.load_state_dict(model_state)
+    torch.manual_seed(torch_seed)
+    t0 = time.perf_counter()
+    losses, keys = train_chain(
+        model,
+        workload.loss_fn,
+        batches,
+        plan=plan,
+        window=window,
+        lr=lr,
+        offload_dir=offload_dir,
+    )
+    train_s = time.perf_counter() - t0
+    peak = max(0, peak_rss_bytes() - rss0)
+    state = model.state_dict()
+    return TrainResult(
+        num_examples,
+        float(np.mean(losses)),
+        train_s,
+        {k: state[k].detach().clone() for k in keys},
+        peak,
+        rss0,
+        method,
+        len(losses),
+    )
+
+
+def _train_child(
+    model_state: dict[str, torch.Tensor],
+    workload: Workload,
+    batches: list[Batch],
+    *,
+    num_examples: int,
+    torch_seed: int,
+    plan: MemoryPlan | None,
+    window: tuple[int, int] | None,
+    lr: float,
+    offload_dir: str | None,
+) -> TrainResult:
+    with tempfile.TemporaryDirectory(prefix="fleetfit-client-") as tmp:
+        arrays_file = os.path.join(tmp, "arrays.safetensors")
+        batches_file = os.path.join(tmp, "batches.safetensors")
+        out_file = os.path.join(tmp, "trained.safetensors")
+        save_file(
+            {k: v.detach().contiguous() for k, v in _untied(model_state).items()},
+            arrays_file,
+        )
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (x, y) in enumerate(batches):
+            tensors[f"inputs.{i}"] = x.contiguous()
+            tensors[f"targets.{i}"] = y.contiguous()
+        save_file(tensors, batches_file)
+        del tensors
+        m = measure_in_child(
+            "client.train:train_in_child",
+            {
+                "workload": workload.name,
+                "arrays_file": arrays_file,
+                "batches_file": batches_file,
+                "out_file": out_file,
+                "plan": None if plan is None else plan.to_dict(),
+                "window": None if window is None else list(window),
+                "lr": lr,
+                "torch_seed": torch_seed,
+                "batch_size": workload.batch_size
+                if workload.kind != "custom"
+                else None,
+                "seq_len": workload.seq_len,
+                "offload_dir": offload_dir,
+                "threads": torch.get_num_threads(),
+            },
+        )
+        state = load_file(out_file)
+    losses = m.result["losses"]
+    return TrainResult(
+        num_examples,
+        float(np.mean(losses)),
+        float(m.result["train_s"]),
+        state,
+        m.peak_bytes,
+        m.baseline_bytes,
+        "child",
+        len(losses),
+    )
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory: keep the first key of each."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
+        if ptr in seen and ptr != -1:
+            continue
+        seen.add(ptr)
+        out[k] = v
+    return out

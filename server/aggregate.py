@@ -1,8 +1,14 @@
-"""Validating client updates and averaging them.
+"""Validating client updates and averaging them, parameter by parameter.
 
-Every update is checked before it counts: the expected keys, shapes and dtypes, and
-finite values. A rejected update is logged with its reason and changes nothing.
-Averaging is weighted by each client's example count and runs in a fixed order (by
+Every update is checked before it counts: the keys its assignment trains (all of the
+model for ``full``, the window and head for ``part``), shapes and dtypes, finite
+values, and a norm bound: an update whose relative change
+``||update - global|| / ||global||`` (over its keys) exceeds ``norm_factor`` times the
+round's median (the lower median, so two updates suffice) is rejected. A rejected
+update is logged with its reason and changes nothing.
+
+Averaging is per key: a weighted mean (by example count) over the updates that carry
+the key; keys nobody trained keep the global value. It runs in a fixed order (by
 partition id), so two runs with the same seed aggregate to the same bits.
 """
 
@@ -28,20 +34,23 @@ class Update:
     node_id: int
     num_examples: int
     state: dict[str, torch.Tensor]
+    expected: frozenset[str] | None = None  # keys its assignment trains (None: all)
 
 
 def validate_update(update: Update, reference: dict[str, torch.Tensor]) -> None:
-    """Raise ``UpdateRejected`` unless ``update`` matches ``reference`` and is finite."""
-    missing = sorted(set(reference) - set(update.state))
-    extra = sorted(set(update.state) - set(reference))
+    """Raise ``UpdateRejected`` unless ``update`` carries exactly the keys it was
+    assigned, with ``reference``'s shapes and dtypes, and finite values."""
+    want = set(reference) if update.expected is None else set(update.expected)
+    missing = sorted(want - set(update.state))
+    extra = sorted(set(update.state) - want)
     if missing or extra:
         raise UpdateRejected(
             f"keys differ: missing {missing[:5]}, unexpected {extra[:5]}"
         )
     if update.num_examples <= 0:
         raise UpdateRejected(f"num-examples is {update.num_examples}, must be > 0")
-    for key, ref in reference.items():
-        got = update.state[key]
+    for key in sorted(want):
+        ref, got = reference[key], update.state[key]
         if got.shape != ref.shape:
             raise UpdateRejected(
                 f"{key}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
@@ -55,45 +64,85 @@ def validate_update(update: Update, reference: dict[str, torch.Tensor]) -> None:
 def weighted_average(
     updates: list[Update], reference: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Example-weighted mean of valid updates, in partition-id order.
+    """Per-key example-weighted mean of valid updates, in partition-id order.
 
-    Floating tensors are accumulated in float64 and cast back; integer buffers (such
-    as BatchNorm's ``num_batches_tracked``) take the largest value. Keys nobody sent
-    keep the reference value.
+    Each key is averaged over the updates that carry it. Floating tensors are
+    accumulated in float64 and cast back; integer buffers (such as BatchNorm's
+    ``num_batches_tracked``) take the largest value. Keys nobody sent keep the
+    reference value.
     """
-    if not updates:
-        return {k: v.clone() for k, v in reference.items()}
     ordered = sorted(updates, key=lambda u: (u.partition_id, u.node_id))
-    total = sum(u.num_examples for u in ordered)
     out: dict[str, torch.Tensor] = {}
     for key, ref in reference.items():
-        if ref.is_floating_point():
+        have = [u for u in ordered if key in u.state]
+        if not have:
+            out[key] = ref.clone()
+        elif ref.is_floating_point():
+            total = sum(u.num_examples for u in have)
             acc = torch.zeros(ref.shape, dtype=torch.float64)
-            for u in ordered:
+            for u in have:
                 acc += u.state[key].to(torch.float64) * (u.num_examples / total)
             out[key] = acc.to(ref.dtype)
         else:
-            out[key] = torch.stack([u.state[key] for u in ordered]).amax(0)
+            out[key] = torch.stack([u.state[key] for u in have]).amax(0)
     return out
 
 
+def relative_change(update: Update, reference: dict[str, torch.Tensor]) -> float:
+    """``||update - reference|| / ||reference||`` over the update's floating keys."""
+    num = den = 0.0
+    for key, got in update.state.items():
+        ref = reference[key]
+        if not ref.is_floating_point():
+            continue
+        num += float((got.to(torch.float64) - ref.to(torch.float64)).square().sum())
+        den += float(ref.to(torch.float64).square().sum())
+    return (num**0.5) / max(den**0.5, 1e-12)
+
+
 def accept_updates(
-    updates: list[Update], reference: dict[str, torch.Tensor]
+    updates: list[Update],
+    reference: dict[str, torch.Tensor],
+    *,
+    norm_factor: float = 0.0,
 ) -> tuple[list[Update], list[tuple[Update, str]]]:
-    """Split updates into accepted and (rejected, reason), logging each rejection."""
-    accepted: list[Update] = []
+    """Split updates into accepted and (rejected, reason), logging each rejection.
+
+    ``norm_factor > 0`` also rejects updates whose relative change exceeds that many
+    times the (lower) median relative change of the round's otherwise valid updates.
+    """
+    valid: list[Update] = []
     rejected: list[tuple[Update, str]] = []
+
+    def reject(u: Update, reason: str) -> None:
+        log.warning(
+            "rejected update of node %s (partition %s): %s",
+            u.node_id,
+            u.partition_id,
+            reason,
+        )
+        rejected.append((u, reason))
+
     for u in updates:
         try:
             validate_update(u, reference)
         except UpdateRejected as e:
-            log.warning(
-                "rejected update of node %s (partition %s): %s",
-                u.node_id,
-                u.partition_id,
-                e,
+            reject(u, str(e))
+        else:
+            valid.append(u)
+    if norm_factor <= 0 or len(valid) < 2:
+        return valid, rejected
+    changes = [relative_change(u, reference) for u in valid]
+    median = sorted(changes)[(len(changes) - 1) // 2]
+    bound = norm_factor * median
+    accepted = []
+    for u, c in zip(valid, changes):
+        if median > 0 and c > bound:
+            reject(
+                u,
+                f"norm: relative change {c:.3g} exceeds {norm_factor:g} x the "
+                f"round's median {median:.3g}",
             )
-            rejected.append((u, str(e)))
         else:
             accepted.append(u)
     return accepted, rejected

@@ -34,7 +34,7 @@ def make_app(overrides: dict[str, Any] | None = None) -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         run_config = {**dict(context.run_config), **(overrides or {})}
         cfg = ServerConfig.from_run_config(run_config)
-        Federation(cfg, FlowerTransport(grid)).run()
+        Federation(cfg, FlowerTransport(grid, query_config=cfg.fleet())).run()
 
     return server_app
 
@@ -42,8 +42,9 @@ def make_app(overrides: dict[str, Any] | None = None) -> ServerApp:
 class FlowerTransport:
     """The federation's view of Flower's Grid: nodes, queries and train rounds."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, query_config: dict[str, Any] | None = None) -> None:
         self.grid = grid
+        self.query_config = dict(query_config or {})  # the fleet description
 
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
@@ -65,7 +66,9 @@ class FlowerTransport:
     def query(self, node_ids: list[int], timeout_s: float) -> dict[int, Message]:
         msgs = [
             Message(
-                RecordDict({"config": ConfigRecord({})}), node_id, MessageType.QUERY
+                RecordDict({"config": ConfigRecord(dict(self.query_config))}),
+                node_id,
+                MessageType.QUERY,
             )
             for node_id in node_ids
         ]
@@ -89,6 +92,8 @@ class FlowerTransport:
             )
             for node_id, (arrays, config) in instructions.items()
         ]
+        # Flower returns what arrived by the deadline: a dead or slow node costs the
+        # round its update, never the round itself.
         return list(self.grid.send_and_receive(msgs, timeout=timeout_s))
 
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from memory.errors import MemoryPlanError
+from memory.sizes import parse_bytes
 from workloads.splits import SPLITS
 
 
@@ -27,6 +29,19 @@ class ServerConfig:
     out: str = "runs/flwr"  # [out] run folder
     round_timeout_s: float = 600.0  # [round-timeout] seconds to wait for replies
     node_wait_s: float = 300.0  # [node-wait] seconds to wait for min-nodes
+    min_replies: int = 1  # [min-replies] replies a round needs to change the model
+    train_time_s: float = 0.0  # [train-time] seconds of local training per round;
+    #   a slow node gets fewer steps. 0: half of round-timeout
+    norm_bound: float = 10.0  # [norm-bound] reject updates whose relative change is
+    #   above this many times the round's median; 0 disables
+    runtime_reserve: str = "100MiB"  # [runtime-reserve] fixed process costs the
+    #   memory model does not hold; plans are made for budget minus this
+    client_measure: str = "child"  # [client-measure] child | inline (see client/train)
+    resume: bool = False  # [resume] continue from the run folder's state/ subfolder
+    fleet_memory_budgets: str = ""  # [fleet-memory-budgets] comma-separated sizes by
+    #   partition id (simulation; a node's own memory-budget wins)
+    fleet_disk_budgets: str = ""  # [fleet-disk-budgets] same, for disk
+    fleet_speeds: str = ""  # [fleet-speeds] same, factors on the measured speed
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
@@ -43,7 +58,9 @@ class ServerConfig:
             want = type(getattr(cls(), f.name))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, want) or isinstance(value, bool):
+            if not isinstance(value, want) or (
+                want is not bool and isinstance(value, bool)
+            ):
                 raise ValueError(
                     f"run-config {key}={value!r} must be a {want.__name__}"
                 )
@@ -74,6 +91,31 @@ class ServerConfig:
             raise bad(
                 "batch-size/seq-len", (self.batch_size, self.seq_len), "must be >= 0"
             )
+        if self.min_replies < 0:
+            raise bad("min-replies", self.min_replies, "must be >= 0")
+        if not (self.train_time_s >= 0 and math.isfinite(self.train_time_s)):
+            raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
+        if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
+            raise bad("norm-bound", self.norm_bound, "must be >= 0")
+        if self.client_measure not in ("child", "inline"):
+            raise bad("client-measure", self.client_measure, "child or inline")
+        try:
+            parse_bytes(self.runtime_reserve, what="runtime-reserve", allow_zero=True)
+            for key, spec in (
+                ("fleet-memory-budgets", self.fleet_memory_budgets),
+                ("fleet-disk-budgets", self.fleet_disk_budgets),
+            ):
+                for item in filter(None, (x.strip() for x in spec.split(","))):
+                    parse_bytes(item, what=key, allow_zero=key == "fleet-disk-budgets")
+        except MemoryPlanError as e:
+            raise ValueError(str(e)) from None
+        for item in filter(None, (x.strip() for x in self.fleet_speeds.split(","))):
+            try:
+                ok = float(item) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise bad("fleet-speeds", self.fleet_speeds, "positive numbers")
         if not self.round_timeout_s > 0 or not self.node_wait_s > 0:
             raise bad(
                 "round-timeout/node-wait",
@@ -84,8 +126,31 @@ class ServerConfig:
     def to_run_config(self) -> dict[str, Any]:
         return {_key(f.name): getattr(self, f.name) for f in fields(self)}
 
+    @property
+    def reserve_bytes(self) -> int:
+        return parse_bytes(self.runtime_reserve, allow_zero=True)
+
+    @property
+    def train_time(self) -> float:
+        """Seconds of local training a node may spend per round."""
+        return self.train_time_s or self.round_timeout_s / 2
+
+    def fleet(self) -> dict[str, str]:
+        """The fleet description sent with queries (non-empty keys only)."""
+        return {
+            k: v
+            for k, v in (
+                ("fleet-memory-budgets", self.fleet_memory_budgets),
+                ("fleet-disk-budgets", self.fleet_disk_budgets),
+                ("fleet-speeds", self.fleet_speeds),
+            )
+            if v
+        }
+
 
 def _key(name: str) -> str:
-    return {"round_timeout_s": "round-timeout", "node_wait_s": "node-wait"}.get(
-        name, name.replace("_", "-")
-    )
+    return {
+        "round_timeout_s": "round-timeout",
+        "node_wait_s": "node-wait",
+        "train_time_s": "train-time",
+    }.get(name, name.replace("_", "-"))

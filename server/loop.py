@@ -1,6 +1,7 @@
 """The federated loop, independent of how messages travel (testable without Flower's
-engine): discover nodes, sample, send train instructions, validate and average the
-replies, evaluate centrally, and write the run folder every round.
+engine): discover nodes and their budgets, sample, assign each node a plan or a part
+(``server.assign``), send each its instruction, validate and average the replies per
+parameter, evaluate centrally, write the run folder and the resume state every round.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from server import persist, protocol
 from server.aggregate import Update, accept_updates, weighted_average
+from server.assign import Assigner, Assignment, trained_keys
 from server.config import ServerConfig
 from workloads import get_workload
 
@@ -47,9 +49,15 @@ class Federation:
         )
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)
-        self.nodes: dict[
-            int, dict[str, Any]
-        ] = {}  # node id -> facts from its query reply
+        self.nodes: dict[int, dict[str, Any]] = {}  # node id -> facts (query reply)
+        self.assigner = Assigner(
+            self.workload,
+            self.model,
+            local_steps=cfg.local_steps,
+            runtime_reserve_bytes=cfg.reserve_bytes,
+            train_time_s=cfg.train_time,
+        )
+        self.start_round = 1
         self.summary: dict[str, Any] = {
             "schema": persist.SCHEMA_VERSION,
             "workload": cfg.workload,
@@ -60,15 +68,27 @@ class Federation:
 
     # ------------------------------------------------------------ discovery
     def discover(self) -> None:
-        """Ask nodes not seen before for their facts (a restarted node has a new id)."""
+        """Ask nodes not seen before for their facts (a restarted node has a new id).
+
+        A node that cannot answer (a plain Flower ClientApp has no query handler) is
+        still used: it gets the whole model and trains it as it sees fit.
+        """
         new = [n for n in self.transport.node_ids() if n not in self.nodes]
         if not new:
             return
-        for node_id, reply in self.transport.query(
-            new, self.cfg.round_timeout_s
-        ).items():
+        replies = self.transport.query(new, self.cfg.round_timeout_s)
+        for node_id in new:
+            reply = replies.get(node_id)
+            if reply is None:
+                log.warning("node %s did not answer its query; asking again", node_id)
+                continue
             if reply.has_error():
-                log.warning("node %s failed its query: %s", node_id, reply.error.reason)
+                log.warning(
+                    "node %s failed its query (%s): treated as a plain client",
+                    node_id,
+                    reply.error.reason,
+                )
+                self.nodes[node_id] = {}
                 continue
             facts = dict(reply.content.config_records.get(protocol.NODE, {}))
             self.nodes[node_id] = facts
@@ -81,6 +101,8 @@ class Federation:
             (n for n in self.nodes if n in live),
             key=lambda n: (int(self.nodes[n].get(protocol.PARTITION_ID) or 0), n),
         )
+        if not known:
+            return []
         k = max(1, round(self.cfg.fraction_train * len(known)))
         if k >= len(known):
             return known
@@ -91,18 +113,41 @@ class Federation:
     # ------------------------------------------------------------ rounds
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
+        if cfg.resume:
+            self._resume()
         log.info(
-            "fleetfit server: %s for %d rounds, waiting for %d nodes",
+            "fleetfit server: %s for rounds %d..%d, waiting for %d nodes",
             cfg.workload,
+            self.start_round,
             cfg.num_server_rounds,
             cfg.min_nodes,
         )
-        self.transport.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
-        for server_round in range(1, cfg.num_server_rounds + 1):
+        if self.start_round <= cfg.num_server_rounds:
+            self.transport.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
+        for server_round in range(self.start_round, cfg.num_server_rounds + 1):
             self.run_round(server_round)
         persist.plot_rounds(self.out, self.summary)
         log.info("run folder: %s", self.out)
         return self.summary
+
+    def _resume(self) -> None:
+        saved = persist.load_state(self.out)
+        if saved is None:
+            log.info("resume: no saved state in %s; starting at round 1", self.out)
+            return
+        server_round, state, summary, _strategy = saved
+        old = summary.get("config", {})
+        for key in ("workload", "seed", "batch-size", "seq-len"):
+            if key in old and old[key] != self.cfg.to_run_config()[key]:
+                raise ValueError(
+                    f"cannot resume {self.out}: it was run with {key}={old[key]!r}, "
+                    f"this run has {key}={self.cfg.to_run_config()[key]!r}"
+                )
+        self.model.load_state_dict(state)
+        summary["config"] = self.cfg.to_run_config()
+        self.summary = summary
+        self.start_round = server_round + 1
+        log.info("resumed %s after round %d", self.out, server_round)
 
     def run_round(self, server_round: int) -> dict[str, Any]:
         cfg = self.cfg
@@ -110,37 +155,56 @@ class Federation:
         self.discover()
         sampled = self.sample(server_round)
         reference = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        arrays = ArrayRecord(reference)
-        instruction = protocol.TrainInstruction(
-            server_round=server_round,
-            workload=cfg.workload,
-            local_steps=cfg.local_steps,
-            lr=cfg.lr,
-            seed=cfg.seed,
-            split=cfg.split,
-            dirichlet_alpha=cfg.dirichlet_alpha,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
+        full_arrays = ArrayRecord(reference)
+        instructions: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}
+        assignments: dict[int, Assignment] = {}
+        for node_id in sampled:
+            a = self.assigner.assign(self.nodes.get(node_id, {}), server_round)
+            assignments[node_id] = a
+            arrays = full_arrays if a.kind != "none" else ArrayRecord()
+            instructions[node_id] = (arrays, self._instruction(a, server_round))
+            log.info(
+                "round %d: node %s (budget %s) gets %s, %d steps",
+                server_round,
+                node_id,
+                a.budget_bytes,
+                a.describe(),
+                a.local_steps,
+            )
+        replies = self.transport.train(instructions, server_round, cfg.round_timeout_s)
+        updates, train_losses, errors, reports = self._collect(replies, assignments)
+        accepted, rejected = accept_updates(
+            updates, reference, norm_factor=cfg.norm_bound
         )
-        config = ConfigRecord(dict(instruction.to_config()))
-        replies = self.transport.train(
-            {n: (arrays, config) for n in sampled}, server_round, cfg.round_timeout_s
-        )
-        updates, train_losses, errors = self._collect(replies)
-        accepted, rejected = accept_updates(updates, reference)
-        if accepted:
+        changed = len(accepted) >= max(1, cfg.min_replies)
+        if changed:
             self.model.load_state_dict(weighted_average(accepted, reference))
+        elif sampled:
+            msg = (
+                f"round {server_round}: {len(accepted)} accepted update(s), fewer than "
+                f"min-replies={cfg.min_replies}: the model is unchanged"
+            )
+            log.warning(msg)
+            errors.append(msg)
         metrics = self.workload.evaluate(self.model)
+        ok = {u.node_id for u in accepted}
+        for u, reason in rejected:
+            reports[u.node_id]["status"] = f"rejected: {reason}"
+        none = sum(a.kind == "none" for a in assignments.values())
         record: dict[str, Any] = {
             "round": server_round,
             "accuracy": metrics["accuracy"],
             "loss": metrics["loss"],
-            "num_clients": len(accepted),
+            "num_clients": len(accepted) if changed else 0,
             "num_sampled": len(sampled),
-            "num_failed": len(sampled) - len(accepted),
+            "num_failed": len(sampled) - len(ok) - none,
             "num_rejected": len(rejected),
             "train_loss": float(np.mean(train_losses)) if train_losses else None,
             "round_s": time.monotonic() - t0,
+            "assignments": [
+                self._assignment_record(n, assignments[n], reports.get(n))
+                for n in sampled
+            ],
         }
         if "perplexity" in metrics:
             record["perplexity"] = metrics["perplexity"]
@@ -153,27 +217,95 @@ class Federation:
             server_round,
             record["accuracy"],
             record["loss"],
-            len(accepted),
+            record["num_clients"],
             len(sampled),
             record["round_s"],
         )
         return record
 
+    def _instruction(self, a: Assignment, server_round: int) -> ConfigRecord:
+        cfg = self.cfg
+        ins = protocol.TrainInstruction(
+            server_round=server_round,
+            workload=cfg.workload,
+            local_steps=a.local_steps,
+            lr=cfg.lr,
+            seed=cfg.seed,
+            split=cfg.split,
+            dirichlet_alpha=cfg.dirichlet_alpha,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            kind=a.kind,
+            plan=a.plan.to_json() if a.plan is not None else "",
+            window_start=a.window[0] if a.window else 0,
+            window_stop=a.window[1] if a.window else 0,
+            measure=cfg.client_measure,
+            min_budget_bytes=a.min_budget_bytes,
+            reason=a.reason,
+        )
+        return ConfigRecord(dict(ins.to_config()))
+
+    def _assignment_record(
+        self, node_id: int, a: Assignment, report: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        report = report or {"status": "no reply"}
+        return {
+            "node_id": node_id,
+            "partition_id": self.nodes.get(node_id, {}).get(protocol.PARTITION_ID),
+            "budget_bytes": a.budget_bytes,
+            "disk_budget_bytes": a.disk_budget_bytes,
+            "kind": a.kind,
+            "window": list(a.window) if a.window else None,
+            "local_steps": a.local_steps,
+            "predicted_peak_bytes": a.predicted_peak_bytes or None,
+            "min_budget_bytes": a.min_budget_bytes or None,
+            "measured_peak_bytes": report.get("measured_peak_bytes"),
+            "peak_method": report.get("peak_method"),
+            "message_bytes": report.get("message_bytes"),
+            "train_s": report.get("train_s"),
+            "num_examples": report.get("num_examples"),
+            "status": report.get("status", "ok"),
+        }
+
     def _collect(
-        self, replies: list[Message]
-    ) -> tuple[list[Update], list[float], list[str]]:
+        self, replies: list[Message], assignments: dict[int, Assignment]
+    ) -> tuple[list[Update], list[float], list[str], dict[int, dict[str, Any]]]:
         updates: list[Update] = []
         losses: list[float] = []
         errors: list[str] = []
+        reports: dict[int, dict[str, Any]] = {}
         for reply in replies:
             node_id = reply.metadata.src_node_id
+            a = assignments.get(node_id)
+            if a is None:
+                log.warning(
+                    "ignoring a reply from node %s, which was not asked", node_id
+                )
+                continue
             if reply.has_error():
                 errors.append(f"node {node_id}: {reply.error.reason}")
+                reports[node_id] = {"status": f"error: {reply.error.reason}"}
                 log.warning("node %s failed: %s", node_id, reply.error.reason)
                 continue
+            content = reply.content
+            report = dict(content.config_records.get(protocol.REPORT, {}))
             try:
-                arrays = reply.content.array_records[protocol.ARRAYS]
-                metrics = reply.content.metric_records[protocol.METRICS]
+                metrics = _one(content.metric_records, protocol.METRICS, "MetricRecord")
+                rec = {
+                    "measured_peak_bytes": _opt_int(metrics.get(protocol.PEAK_BYTES)),
+                    "message_bytes": _opt_int(metrics.get(protocol.MESSAGE_BYTES)),
+                    "train_s": metrics.get(protocol.TRAIN_S),
+                    "num_examples": _opt_int(metrics.get(protocol.NUM_EXAMPLES)),
+                    "peak_method": report.get("peak-method"),
+                    "status": "ok",
+                }
+                reports[node_id] = rec
+                if a.kind == "none":
+                    rec["status"] = "none"
+                    continue
+                arrays = _one(content.array_records, protocol.ARRAYS, "ArrayRecord")
+                if rec["message_bytes"] is None:  # a plain client: what was sent
+                    rec["message_bytes"] = sum(len(x.data) for x in arrays.values())
                 state = arrays.to_torch_state_dict()
                 num = _as_int(metrics[protocol.NUM_EXAMPLES])
                 pid = _as_int(
@@ -184,17 +316,27 @@ class Federation:
                 )
             except (KeyError, TypeError, ValueError) as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
+                reports[node_id] = {"status": f"malformed: {e}"}
                 log.warning("node %s sent a malformed reply: %s", node_id, e)
                 continue
-            updates.append(Update(pid, node_id, num, state))
+            expected = (
+                None
+                if a.window is None
+                else frozenset(trained_keys(self.model, a.window))
+            )
+            updates.append(Update(pid, node_id, num, state, expected))
             if protocol.TRAIN_LOSS in metrics:
                 losses.append(float(metrics[protocol.TRAIN_LOSS]))  # type: ignore[arg-type]
-        return updates, losses, errors
+        for node_id in assignments:
+            if node_id not in reports:
+                errors.append(f"node {node_id}: no reply within the round's deadline")
+        return updates, losses, errors, reports
 
     def _save(self, server_round: int) -> None:
+        state = self.model.state_dict()
         persist.save_model(
             self.out / persist.MODEL_FILE,
-            self.model.state_dict(),
+            state,
             {
                 "fleetfit-schema": str(persist.SCHEMA_VERSION),
                 "workload": self.cfg.workload,
@@ -203,10 +345,39 @@ class Federation:
             },
         )
         persist.write_summary(self.out, self.summary)
+        strategy = {
+            "next_round": server_round + 1,
+            "nodes_by_partition": {
+                str(f.get(protocol.PARTITION_ID)): f
+                for f in self.nodes.values()
+                if protocol.PARTITION_ID in f
+            },
+        }
+        persist.save_state(self.out, server_round, state, self.summary, strategy)
+
+
+def _one(records: Any, key: str, what: str) -> Any:
+    """The record under ``key``, or the only record of its kind (a plain client may
+    name it otherwise)."""
+    if key in records:
+        return records[key]
+    if len(records) == 1:
+        return next(iter(records.values()))
+    raise KeyError(f"no {what} {key!r} in the reply")
+
+
+def _opt_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
 
 
 def _as_int(value: Any) -> int:
     """An integer metric from the wire; lists and non-integral values are malformed."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value != int(value)
+    ):
         raise ValueError(f"expected an integer, got {value!r}")
     return int(value)

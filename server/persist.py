@@ -120,3 +120,55 @@ def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(out) / PLOT_FILE
     atomic_write_bytes(path, buf.getvalue())
     return path
+
+
+# ---------------------------------------------------------------- resume state
+STATE_DIR = "state"
+STATE_FILE = "state.json"
+
+
+def save_state(
+    out: str | Path,
+    server_round: int,
+    model_state: dict[str, torch.Tensor],
+    summary: dict[str, Any],
+    strategy: dict[str, Any],
+) -> None:
+    """Save what a resumed run needs after ``server_round``, atomically.
+
+    The model goes to ``state/model-<round>.safetensors`` first; then ``state.json``
+    (round, summary, strategy state, the model's file name) replaces the old one in
+    one ``os.replace``; older model files are removed last. A crash at any point
+    leaves a consistent pair: the old one or the new one.
+    """
+    d = Path(out) / STATE_DIR
+    name = f"model-{server_round:06d}.safetensors"
+    save_model(d / name, model_state, {"round": str(server_round)})
+    state = {
+        "schema": SCHEMA_VERSION,
+        "round": server_round,
+        "model": name,
+        "summary": summary,
+        "strategy": strategy,
+    }
+    atomic_write_bytes(d / STATE_FILE, json.dumps(state, indent=1).encode())
+    for old in d.glob("model-*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def load_state(
+    out: str | Path,
+) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]] | None:
+    """``(round, model state, summary, strategy state)`` saved in ``out``, or None."""
+    d = Path(out) / STATE_DIR
+    if not (d / STATE_FILE).exists():
+        return None
+    state = json.loads((d / STATE_FILE).read_text())
+    model, meta = load_model(d / state["model"])
+    if int(meta.get("round", -1)) != int(state["round"]):
+        raise ValueError(
+            f"{d}: state.json says round {state['round']} but its model file says "
+            f"{meta.get('round')}; the state folder was edited by hand"
+        )
+    return int(state["round"]), model, state["summary"], state["strategy"]

@@ -35,6 +35,7 @@ def train_msg(workload="digits-mlp", **kw):
         dirichlet_alpha=0.5,
         batch_size=0,
         seq_len=0,
+        measure="inline",
     )
     config = {**ins.to_config(), **kw}
     content = RecordDict(
@@ -57,11 +58,48 @@ def test_train_replies_with_changed_arrays_and_metrics():
 
 def test_query_reports_node_facts():
     msg = Message(RecordDict({"config": ConfigRecord({})}), 5, MessageType.QUERY)
-    reply = app(msg, ctx({"partition-id": 2, "num-partitions": 3}))
-    assert dict(reply.content.config_records["node"]) == {
-        "partition-id": 2,
-        "num-partitions": 3,
-    }
+    node = {"partition-id": 2, "num-partitions": 3}
+    node |= {"memory-budget": "512MB", "disk-budget": "0"}
+    facts = dict(app(msg, ctx(node)).content.config_records["node"])
+    assert facts["partition-id"] == 2 and facts["num-partitions"] == 3
+    assert facts["budget-bytes"] == 512 * 10**6 and facts["disk-budget-bytes"] == 0
+    assert facts["budget-source"] == "node-config"
+    assert facts["total-memory-bytes"] >= facts["available-memory-bytes"] > 0
+    assert facts["flops-per-s"] > 1e6 and facts["free-disk-bytes"] > 0
+
+
+def test_query_takes_budgets_from_the_fleet_by_partition_id():
+    fleet = {"fleet-memory-budgets": "100MB, 2GiB", "fleet-speeds": "1,0.25"}
+    msg = Message(RecordDict({"config": ConfigRecord(fleet)}), 5, MessageType.QUERY)
+    slow = dict(
+        app(msg, ctx({"partition-id": 3, "num-partitions": 4})).content.config_records[
+            "node"
+        ]
+    )
+    fast = dict(
+        app(msg, ctx({"partition-id": 2, "num-partitions": 4})).content.config_records[
+            "node"
+        ]
+    )
+    assert slow["budget-bytes"] == 2 * 2**30 and fast["budget-bytes"] == 100 * 10**6
+    assert slow["budget-source"] == "fleet"
+    assert slow["flops-per-s"] < fast["flops-per-s"] / 2
+    # no budget anywhere: a measured share of the available memory
+    msg = Message(RecordDict({"config": ConfigRecord({})}), 5, MessageType.QUERY)
+    own = dict(
+        app(msg, ctx({"partition-id": 0, "num-partitions": 1})).content.config_records[
+            "node"
+        ]
+    )
+    assert own["budget-source"] == "measured"
+    assert 0 < own["budget-bytes"] < own["total-memory-bytes"]
+
+
+def test_bad_budget_is_an_error_reply_naming_it():
+    msg = Message(RecordDict({"config": ConfigRecord({})}), 5, MessageType.QUERY)
+    node = {"partition-id": 0, "num-partitions": 1, "memory-budget": "lots"}
+    reply = app(msg, ctx(node))
+    assert reply.has_error() and "memory-budget 'lots'" in reply.error.reason
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,12 @@ from tests.fakes import DirectTransport
 
 def run(tmp_path, transport, **kw):
     cfg = ServerConfig(
-        num_server_rounds=2, local_steps=5, min_nodes=1, out=str(tmp_path / "run"), **kw
+        num_server_rounds=2,
+        local_steps=5,
+        min_nodes=1,
+        out=str(tmp_path / "run"),
+        client_measure="inline",
+        **kw,
     )
     return Federation(cfg, transport).run(), tmp_path / "run"
 

@@ -1,0 +1,252 @@
+"""What each node trains in a round, from the memory model (``memory.plan``).
+
+For a node with memory budget B and disk budget D, the plan is made for
+``B - runtime_reserve_bytes``: the planner models a training step (state, activations,
+workspace), while a process also pays fixed costs the model does not hold (torch's
+first backward and convolution set-up, allocator state: 55-90 MiB measured on this
+machine for digits-cnn and gpt-byte, see docs/federation.md).
+
+- ``full``: the fastest whole-model plan that fits (``plan_memory``: recompute,
+  offload, streaming and micro-batching as needed).
+- ``part``: otherwise, successive layer training: a window of blocks ``[start, stop)``
+  plus the head (the last block) is trained; blocks before the window are frozen and
+  run without storing activations; blocks between the window and the head are frozen
+  but run forward and backward (no gradients, no optimizer state). The widest window
+  that fits is chosen; among its positions the one for this round comes first, so the
+  window moves through the model over rounds (position ``(round - 1) mod positions``),
+  and other positions are tried when that one does not fit. The head always trains; a
+  tied parameter (GPT-2's head projection is its token embedding) belongs to the first
+  block using it and trains only when that block is in the window.
+- ``none``: not even the head alone fits: the node is told so, with the smallest budget
+  that would get it a part.
+
+Time: with the node's measured compute rate, the plan's predicted step time is scaled
+to the node; a node whose ``local_steps`` would not fit in ``train_time_s`` gets fewer
+steps (at least one) instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from memory.blocks import as_blocks
+from memory.errors import BudgetError
+from memory.plan import min_budget_bytes, plan_memory
+from memory.profile import Profile, profile_workload_fake
+from memory.spec import MemoryPlan
+from server import protocol
+from workloads import Workload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One node's work in one round."""
+
+    kind: str  # full | part | none
+    budget_bytes: int | None  # None: the node did not say (a plain Flower client)
+    disk_budget_bytes: int | None
+    plan: MemoryPlan | None  # the trained chain's plan (None: plain training)
+    window: tuple[int, int] | None  # part: trained blocks [start, stop) plus the head
+    local_steps: int
+    predicted_peak_bytes: int = 0  # the plan's peak plus the runtime reserve
+    predicted_step_s: float = 0.0  # on this node
+    min_budget_bytes: int = 0  # none: smallest budget that gets a part
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "part" and self.window is not None:
+            return f"part [{self.window[0]}, {self.window[1]}) + head"
+        return self.kind
+
+
+class Assigner:
+    """Assignments for one workload; profiles once, caches what it can."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        model: nn.Module,
+        *,
+        local_steps: int,
+        runtime_reserve_bytes: int,
+        train_time_s: float,
+    ) -> None:
+        self.workload = workload
+        self.names = [b.name for b in as_blocks(model)]
+        self.local_steps = local_steps
+        self.reserve = runtime_reserve_bytes
+        self.train_time_s = train_time_s
+        self._profile: Profile | None = None
+        self._min: dict[tuple[int, int, int], int] = {}
+        self._parts: dict[tuple[int, int], Profile] = {}
+
+    @property
+    def profile(self) -> Profile:
+        if self._profile is None:
+            x, y = self.workload.example_batch()
+            self._profile = profile_workload_fake(
+                lambda: self.workload.make_model(0),
+                x,
+                y,
+                self.workload.loss_fn,
+                measure_time=False,
+            )
+        return self._profile
+
+    def assign(self, facts: dict[str, Any], server_round: int) -> Assignment:
+        budget = _int_or_none(facts.get(protocol.BUDGET_BYTES))
+        disk = _int_or_none(facts.get(protocol.DISK_BUDGET_BYTES))
+        if budget is None:  # a client that did not answer fleetfit's query
+            return Assignment("full", None, None, None, None, self.local_steps)
+        disk = disk or 0
+        prof = self.profile
+        usable = budget - self.reserve
+        batch = prof.batch_size
+        if usable > 0:
+            try:
+                plan = plan_memory(
+                    prof, usable, disk_budget_bytes=disk, batch_size=batch
+                )
+            except BudgetError:
+                pass
+            else:
+                return self._timed("full", budget, disk, plan, None, facts)
+        n = len(self.names)
+        last = n - 1
+        smallest: int | None = None
+        for width in range(last - 1, -1, -1):
+            positions = last - width + 1 if width else 1
+            first = (server_round - 1) % positions
+            for j in range(positions):
+                start = last if width == 0 else (first + j) % positions
+                stop = start + width
+                need = self._min_budget(start, stop, disk)
+                smallest = need if smallest is None else min(smallest, need)
+                if need > usable:
+                    continue
+                part = self._part_profile(start, stop)
+                try:
+                    plan = plan_memory(
+                        part, usable, disk_budget_bytes=disk, batch_size=batch
+                    )
+                except BudgetError:
+                    continue
+                return self._timed("part", budget, disk, plan, (start, stop), facts)
+        need = (smallest or 0) + self.reserve
+        return Assignment(
+            "none",
+            budget,
+            disk,
+            None,
+            None,
+            0,
+            min_budget_bytes=need,
+            reason=(
+                f"a memory budget of {budget} bytes cannot train even the head "
+                f"(block {self.names[-1]!r}) with a disk budget of {disk} bytes; the "
+                f"smallest budget that gets a part is {need} bytes"
+            ),
+        )
+
+    def _timed(
+        self,
+        kind: str,
+        budget: int,
+        disk: int,
+        plan: MemoryPlan,
+        window: tuple[int, int] | None,
+        facts: dict[str, Any],
+    ) -> Assignment:
+        step_s = plan.predicted_step_s
+        rate = facts.get(protocol.FLOPS_PER_S)
+        if isinstance(rate, int | float) and rate > 0 and self.profile.flops_per_s:
+            step_s *= self.profile.flops_per_s / float(rate)
+        steps = self.local_steps
+        if step_s > 0 and steps * step_s > self.train_time_s:
+            steps = max(1, math.floor(self.train_time_s / step_s))
+        return Assignment(
+            kind,
+            budget,
+            disk,
+            plan,
+            window,
+            steps,
+            predicted_peak_bytes=plan.predicted_peak_bytes + self.reserve,
+            predicted_step_s=step_s,
+        )
+
+    def _min_budget(self, start: int, stop: int, disk: int) -> int:
+        key = (start, stop, disk)
+        if key not in self._min:
+            self._min[key] = min_budget_bytes(
+                self._part_profile(start, stop), disk_budget_bytes=disk
+            )
+        return self._min[key]
+
+    def _part_profile(self, start: int, stop: int) -> Profile:
+        key = (start, stop)
+        if key not in self._parts:
+            self._parts[key] = part_profile(self.profile, start, stop)
+        return self._parts[key]
+
+    def expected_keys(
+        self, model: nn.Module, window: tuple[int, int] | None
+    ) -> set[str]:
+        """The state-dict keys a reply to this assignment must carry."""
+        return set(trained_keys(model, window))
+
+
+def part_profile(profile: Profile, start: int, stop: int) -> Profile:
+    """The profile of the chain ``[start, last]`` with only ``[start, stop)`` and the
+    head trainable; the frozen prefix's parameters and the chain's input are held
+    through the step (added to ``batch_bytes``)."""
+    n = len(profile.blocks)
+    train = set(range(start, stop)) | {n - 1}
+    before = {b.name for b in profile.blocks[:start]}
+    blocks = []
+    for i in range(start, n):
+        b = profile.blocks[i]
+        if any(o in before for o in b.shared_with):  # owner frozen in the prefix
+            b = replace(b, shared_param_bytes=0, shared_with=())
+        if i not in train:
+            b = replace(b, grad_bytes=0, optimizer_state_bytes=0)
+        blocks.append(b)
+    held = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks[:start])
+    if start > 0:
+        held += profile.blocks[start].costs[1].input_bytes
+    return replace(
+        profile, blocks=tuple(blocks), batch_bytes=profile.batch_bytes + held
+    )
+
+
+def trained_keys(model: nn.Module, window: tuple[int, int] | None) -> list[str]:
+    """State-dict keys an assignment trains: trainable parameters (a tied one follows
+    the first block using it) and the buffers of trained blocks."""
+    blocks = as_blocks(model)
+    n = len(blocks)
+    train = set(range(n)) if window is None else {*range(*window), n - 1}
+    owner: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.module.parameters():
+            owner.setdefault(id(p), i)
+    keys = [
+        k
+        for k, p in model.named_parameters(remove_duplicate=False)
+        if owner.get(id(p), -1) in train
+    ]
+    prefixes = tuple(b.name + "." for i, b in enumerate(blocks) if i in train)
+    keys += [k for k, _ in model.named_buffers() if k.startswith(prefixes)]
+    return keys
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
