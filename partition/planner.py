@@ -972,3 +972,81 @@ def _min_peak(
                 if v < best[j + 1][b]:
                     best[j + 1][b] = v
     return None if best[P][n] == inf else int(best[P][n])
+
+
+def fixed_plan(
+    profile: Profile,
+    cluster: Cluster,
+    stages: list[list[str]],
+    *,
+    schedule: str = "1F1B",
+    num_microbatches: int = 1,
+    stages_per_rank: int = 1,
+    num_replicas: int = 1,
+    device_order: list[int] | None = None,
+    recompute: bool = False,
+) -> PartitionPlan:
+    """A plan with the stages given (module names per stage), evaluated like the
+    planner's own: for a fixed split such as torch's even one, or for tests.
+
+    Stage j runs on rank j % ranks; replica g's rank r is
+    ``device_order[g * ranks + r]`` (default: the cluster's order). Memory limits are
+    not enforced (``recompute=True`` recomputes blocks to fit them).
+    """
+    names = [b.name for b in profile.blocks]
+    flat = [n for s in stages for n in s]
+    if flat != names:
+        raise ValueError(
+            "stages must list every block once, in order: got "
+            f"{flat[:3]}... for blocks {names[:3]}..."
+        )
+    P = len(stages)
+    if P % stages_per_rank:
+        raise ValueError(f"{P} stages do not divide into {stages_per_rank} per rank")
+    ranks = P // stages_per_rank
+    order = tuple(device_order or range(cluster.num_devices))[: ranks * num_replicas]
+    if len(order) < ranks * num_replicas:
+        raise ValueError(
+            f"{ranks} ranks x {num_replicas} replicas need {ranks * num_replicas} "
+            f"devices; the cluster has {cluster.num_devices}"
+        )
+    check_schedule_args(schedule, ranks, num_microbatches, stages_per_rank)
+    st = _Setting(
+        order, num_replicas, ranks, stages_per_rank, schedule, num_microbatches
+    )
+    cuts = [0]
+    for s in stages:
+        cuts.append(cuts[-1] + len(s))
+    costs = _Costs(profile, cluster, num_replicas * num_microbatches)
+    limits = _limits(cluster, st) if recompute else [2**62] * P
+    flights = _in_flight(schedule, ranks, num_microbatches, stages_per_rank)
+    ev = _evaluate(
+        costs,
+        st,
+        tuple(cuts),
+        limits,
+        flights,
+        replace(PlannerConfig(), recompute=recompute),
+    )
+    if ev is None:
+        raise PartitionError(
+            "the given stages do not fit their devices even with recompute",
+            min_memory_bytes=None,
+        )
+    res, choices, allreduce = ev
+    return _as_plan(profile, cluster, st, tuple(cuts), res, choices, allreduce)
+
+
+def even_split(names: list[str], num_stages: int) -> list[list[str]]:
+    """Equal block counts per stage (the first stages take one more when uneven):
+    how torch's ``pipeline(split_spec=...)`` examples cut a model of equal layers."""
+    n = len(names)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} blocks into {num_stages} stages")
+    size, extra = divmod(n, num_stages)
+    out, i = [], 0
+    for j in range(num_stages):
+        k = size + (j < extra)
+        out.append(names[i : i + k])
+        i += k
+    return out

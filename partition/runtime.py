@@ -1,0 +1,418 @@
+"""Run a ``PartitionPlan`` on torch.distributed: one process per pipeline rank (and
+replica), stages from ``torch.distributed.pipelining``, the schedule chosen by name.
+
+Each process builds the whole model from the same seed, keeps the blocks its stages
+own under their full names and replaces every other block with ``nn.Identity`` (the
+torchtitan way: state-dict keys stay those of the unsplit model), wraps the blocks
+its memory plan recomputes in ``torch.utils.checkpoint``, and builds a manual
+``PipelineStage`` per stage. ``get_schedule_class(plan.schedule_name)`` runs the
+micro-batches; replicas average their gradients with an all-reduce over the ranks
+that hold the same stages; AdamW updates each rank's own parameters.
+
+Launch on one machine (``torchrun --standalone``)::
+
+    python -m partition.runtime launch --plan plan.json --workload gpt-tiny --steps 3
+
+or per process with torch's ``env://`` variables (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE``), as the namespace fleet does::
+
+    python -m partition.runtime worker --plan plan.json --workload gpt-tiny --out DIR
+
+Each rank writes ``rank{r}.json`` (losses, step times) and, with ``--save-grads``,
+``grads{r}.safetensors`` (the first step's gradients of its own parameters, full names)
+into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from partition.planner import PartitionPlan
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeError_(RuntimeError):
+    """A pipeline run that failed; the message says which rank and why."""
+
+
+# --------------------------------------------------------------------------- stages
+def stage_module(model: nn.Module, owned: list[str], recompute: set[str]) -> nn.Module:
+    """``model`` with every block outside ``owned`` replaced by ``nn.Identity``.
+
+    Names of owned parameters stay those of the full model. Blocks in ``recompute``
+    run under ``torch.utils.checkpoint`` (non-reentrant): their activations are
+    recomputed in backward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from memory.blocks import as_blocks
+
+    names = [b.name for b in as_blocks(model)]
+    missing = [n for n in owned if n not in names]
+    if missing:
+        raise ValueError(
+            f"the plan names blocks {missing} that the model does not have; its blocks "
+            f"are {names[:4]}...{names[-2:]}"
+        )
+    owned_params = {id(p) for n in owned for p in model.get_submodule(n).parameters()}
+    for n in names:
+        if n in owned:
+            continue
+        mod = model.get_submodule(n)
+        shared = [p for p in mod.parameters() if id(p) in owned_params]
+        if shared:
+            raise ValueError(
+                f"block {n} shares parameters with a block of another stage (tied "
+                "weights): the pipeline runtime cannot split them; untie them or keep "
+                "both blocks in one stage"
+            )
+        parent_name, _, leaf = n.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, nn.Identity())
+    for n in recompute:
+        mod = model.get_submodule(n)
+        fwd = mod.forward
+
+        def wrapped(*args: Any, _f: Any = fwd) -> Any:
+            return checkpoint(_f, *args, use_reentrant=False)
+
+        mod.forward = wrapped  # type: ignore[method-assign]
+    return model
+
+
+def _groups(world: int, ranks: int, rank: int) -> tuple[Any, Any]:
+    """This process's pipeline group (its replica) and data-parallel group."""
+    import torch.distributed as dist
+
+    replicas = world // ranks
+    pp = dp = None
+    for g in range(replicas):
+        grp = dist.new_group(list(range(g * ranks, (g + 1) * ranks)))
+        if rank // ranks == g:
+            pp = grp
+    for r in range(ranks):
+        grp = dist.new_group(list(range(r, world, ranks)))
+        if rank % ranks == r:
+            dp = grp
+    return pp, dp
+
+
+# --------------------------------------------------------------------------- worker
+def run_worker(
+    plan: PartitionPlan,
+    workload: str,
+    out: str | Path,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    lr: float = 1e-3,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    save_grads: bool = False,
+    threads: int = 1,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The body of one process (``torch.distributed`` initialised from ``env://``)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        get_schedule_class,
+    )
+
+    from workloads import get_workload
+
+    torch.set_num_threads(threads)
+    if plan.schedule_name == "local":
+        raise ValueError(
+            "a one-device plan runs with partition.local (fleetfit memory run), not "
+            "torch.distributed"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p, d = plan.num_ranks, plan.num_replicas
+    if world != p * d:
+        raise ValueError(
+            f"the plan needs {p * d} processes ({p} ranks x {d} replicas), got {world}"
+        )
+    pp_group, dp_group = _groups(world, p, rank)
+    pp_rank, replica = rank % p, rank // p
+    wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+    if wl.batch_size != plan.batch_size:
+        raise ValueError(
+            f"the plan is for batches of {plan.batch_size}, the workload's are "
+            f"{wl.batch_size}; pass the planned batch size"
+        )
+    dt = getattr(torch, dtype)
+    mine = [s for s in plan.stages if s.rank == pp_rank]
+    stages, params = [], []
+    for s in mine:
+        model = wl.make_model(seed).to(dt)
+        rec = {b.name for b in s.memory.blocks if b.activations != "keep"}
+        mod = stage_module(model, list(s.blocks), rec)
+        params += list(mod.parameters())
+        stages.append(
+            PipelineStage(
+                mod, s.stage_index, plan.num_stages, torch.device("cpu"), group=pp_group
+            )
+        )
+    cls = get_schedule_class(plan.schedule_name)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return wl.loss_fn(output, target)
+
+    single = issubclass(cls, PipelineScheduleSingle)
+    schedule = cls(
+        stages[0] if single else stages,
+        n_microbatches=plan.num_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=True,
+    )
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    batches = wl.batches(wl.items(train=True), seed)
+    per = plan.batch_size // d
+    first = any(s.stage_index == 0 for s in mine)
+    last = any(s.stage_index == plan.num_stages - 1 for s in mine)
+    losses: list[float] = []
+    times: list[float] = []
+    grads: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        x, y = next(batches)
+        x, y = (
+            x[replica * per : (replica + 1) * per],
+            y[replica * per : (replica + 1) * per],
+        )
+        if x.is_floating_point():
+            x = x.to(dt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mb_losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if last:
+            kwargs.update(target=y, losses=mb_losses)
+        if first:
+            schedule.step(x, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        if d > 1:
+            for prm in params:
+                if prm.grad is not None:
+                    dist.all_reduce(prm.grad, group=dp_group)
+                    prm.grad /= d
+        if save_grads and step == 0:
+            for s_idx, st in enumerate(stages):
+                for name, prm in st.submod.named_parameters():
+                    if prm.grad is not None:
+                        grads[name] = prm.grad.detach().clone()
+                del s_idx
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        # the step's loss: mean over micro-batches (and replicas), sent to every rank
+        value = torch.zeros(1, dtype=torch.float64)
+        if last and mb_losses:
+            value[0] = float(
+                torch.stack([v.detach().double() for v in mb_losses]).mean()
+            )
+        dist.all_reduce(value)
+        losses.append(float(value[0]) / d)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    later = times[1:] or times
+    result = {
+        "rank": rank,
+        "stages": [s.stage_index for s in mine],
+        "losses": losses,
+        "step_times_s": times,
+        "step_s": statistics.median(later),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if save_grads:
+        from safetensors.torch import save_file
+
+        save_file(
+            {k: v.contiguous() for k, v in grads.items()},
+            str(out / f"grads{rank}.safetensors"),
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+# --------------------------------------------------------------------------- launcher
+def launch(
+    plan: PartitionPlan,
+    workload: str,
+    out: str | Path,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    lr: float = 1e-3,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    save_grads: bool = False,
+    threads: int = 1,
+    dtype: str = "float32",
+    timeout_s: float = 600.0,
+    port: int | None = None,
+) -> dict[str, Any]:
+    """Run ``plan`` with ``torchrun --standalone`` on this machine; wait; collect.
+
+    Returns:
+        ``{"losses": [...], "step_s": slowest rank's median, "ranks": [...]}``.
+
+    Raises:
+        RuntimeError_: a process failed or the run passed ``timeout_s`` (every process
+            is killed either way).
+    """
+    from workloads.registry import child_env
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan_file = out / "plan.json"
+    plan_file.write_text(plan.to_json())
+    nproc = plan.num_ranks * plan.num_replicas
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone" if port is None else f"--master-port={port}",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "partition.runtime",
+        "worker",
+        *_worker_args(
+            plan_file,
+            workload,
+            out,
+            steps,
+            seed,
+            lr,
+            batch_size,
+            seq_len,
+            save_grads,
+            threads,
+            dtype,
+        ),
+    ]
+    env = child_env()
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    )
+    log = out / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError_(
+                f"the pipeline run passed {timeout_s:.0f} s and was killed; see {log}"
+            ) from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if rc != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError_(f"torchrun exited with {rc}; last output:\n{tail}")
+    return collect(out, nproc)
+
+
+def collect(out: str | Path, nproc: int) -> dict[str, Any]:
+    """Gather the ranks' result files."""
+    ranks = [
+        json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)
+    ]
+    return {
+        "losses": ranks[0]["losses"],
+        "step_s": max(r["step_s"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+def _worker_args(
+    plan_file: Path,
+    workload: str,
+    out: Path,
+    steps: int,
+    seed: int,
+    lr: float,
+    batch_size: int | None,
+    seq_len: int | None,
+    save_grads: bool,
+    threads: int,
+    dtype: str,
+) -> list[str]:
+    args = [
+        f"--plan={plan_file}",
+        f"--workload={workload}",
+        f"--out={out}",
+        f"--steps={steps}",
+        f"--seed={seed}",
+        f"--lr={lr}",
+        f"--threads={threads}",
+        f"--dtype={dtype}",
+    ]
+    if batch_size:
+        args.append(f"--batch={batch_size}")
+    if seq_len:
+        args.append(f"--seq={seq_len}")
+    if save_grads:
+        args.append("--save-grads")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m partition.runtime")
+    parser.add_argument("mode", choices=["worker"])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--save-grads", action="store_true")
+    a = parser.parse_args(argv)
+    plan = PartitionPlan.from_dict(json.loads(Path(a.plan).read_text()))
+    run_worker(
+        plan,
+        a.workload,
+        a.out,
+        steps=a.steps,
+        seed=a.seed,
+        lr=a.lr,
+        batch_size=a.batch,
+        seq_len=a.seq,
+        save_grads=a.save_grads,
+        threads=a.threads,
+        dtype=a.dtype,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The pipeline runtime: stage modules without processes, then torchrun runs (2 and 4
+processes, gloo) whose losses and gradients must equal a single-process run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memory.blocks import as_blocks
+from memory.profile import profile_blocks
+from partition.cluster import Cluster
+from partition.planner import even_split, fixed_plan
+from partition.runtime import launch, stage_module
+from workloads import get_workload
+
+MLP = "tests.partition.pipe_models:deep_mlp"
+
+
+def _profile(wl):
+    model = wl.make_model(0)
+    x, y = wl.example_batch()
+    return profile_blocks(as_blocks(model), x, y, wl.loss_fn, measure_time=False)
+
+
+def _plan(
+    workload: str,
+    stages_n: int,
+    schedule: str,
+    m: int,
+    v: int = 1,
+    d: int = 1,
+    recompute=False,
+):
+    wl = get_workload(workload)
+    prof = _profile(wl)
+    names = [b.name for b in prof.blocks]
+    cluster = Cluster.uniform((stages_n // v) * d, memory="1GB", compute=1e10)
+    plan = fixed_plan(
+        prof,
+        cluster,
+        even_split(names, stages_n),
+        schedule=schedule,
+        num_microbatches=m,
+        stages_per_rank=v,
+        num_replicas=d,
+    )
+    if recompute:  # recompute every other block
+        from dataclasses import replace
+
+        from memory.spec import BlockPlan
+
+        stages = tuple(
+            replace(
+                s,
+                memory=replace(
+                    s.memory,
+                    blocks=tuple(
+                        BlockPlan(b.name, "recompute" if i % 2 == 0 else "keep")
+                        for i, b in enumerate(s.memory.blocks)
+                    ),
+                ),
+            )
+            for s in plan.stages
+        )
+        plan = replace(plan, stages=stages)
+    return plan
+
+
+def _reference(workload: str, steps: int, lr: float = 1e-3):
+    wl = get_workload(workload)
+    model = wl.make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    batches = wl.batches(wl.items(train=True), 0)
+    losses, grads = [], {}
+    for step in range(steps):
+        x, y = next(batches)
+        loss = wl.loss_fn(model(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, grads
+
+
+def test_stage_module_keeps_full_names_and_drops_the_rest():
+    wl = get_workload("gpt-tiny")
+    full = wl.make_model(0)
+    mod = stage_module(copy.deepcopy(full), ["layers.1", "head"], set())
+    names = {n for n, _ in mod.named_parameters()}
+    assert names and all(n.startswith(("layers.1.", "head.")) for n in names)
+    assert isinstance(mod.embed, torch.nn.Identity)
+    assert isinstance(mod.layers[0], torch.nn.Identity)
+    h = torch.randn(2, 8, 64)
+    want = full.head(full.layers[1](h))
+    assert torch.equal(mod(h), want)
+
+
+def test_recomputed_blocks_give_identical_gradients():
+    wl = get_workload("gpt-tiny")
+    x, y = wl.example_batch()
+    ref = wl.make_model(0)
+    wl.loss_fn(ref(x), y).backward()
+    mod = stage_module(
+        wl.make_model(0),
+        ["embed", "layers.0", "layers.1", "head"],
+        {"layers.0", "layers.1"},
+    )
+    wl.loss_fn(mod(x), y).backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), mod.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_tied_weights_across_stages_are_refused():
+    wl = get_workload("gpt2-small")
+    from workloads.models import GPT, GPTConfig
+
+    model = GPT(
+        GPTConfig(
+            vocab_size=64,
+            context=8,
+            d_model=16,
+            num_layers=2,
+            num_heads=2,
+            tie_weights=True,
+        )
+    )
+    with pytest.raises(ValueError, match="tied weights"):
+        stage_module(model, ["layers.0", "layers.1", "head"], set())
+    del wl
+
+
+def _check(out, plan, workload, steps, ref):
+    losses, grads = ref
+    nproc = plan.num_ranks * plan.num_replicas
+    got = {}
+    for r in range(nproc):
+        got.update(load_file(str(out / f"grads{r}.safetensors")))
+    assert set(got) == set(grads)
+    for n, g in grads.items():
+        err = (got[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)
+        assert err < 1e-5, (n, float(err))
+    assert len(losses) == steps
+    return losses
+
+
+def _run(tmp_path, plan, workload, steps=2):
+    res = launch(plan, workload, tmp_path, steps=steps, save_grads=True, timeout_s=300)
+    ref = _reference(workload, steps)
+    _check(tmp_path, plan, workload, steps, ref)
+    assert res["losses"] == pytest.approx(ref[0], rel=1e-5)
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("GPipe", marks=pytest.mark.slow), "1F1B"]
+)
+def test_two_processes_match_one(tmp_path, schedule):
+    _run(
+        tmp_path,
+        _plan("gpt-tiny", 2, schedule, m=2, recompute=schedule == "1F1B"),
+        "gpt-tiny",
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,stages,v,d,m",
+    [
+        ("1F1B", 4, 1, 1, 4),
+        ("Interleaved1F1B", 8, 2, 1, 4),
+        ("InterleavedZeroBubble", 4, 1, 1, 4),
+        ("GPipe", 2, 1, 2, 2),  # 2 ranks x 2 data-parallel replicas
+    ],
+)
+def test_four_processes_match_one(tmp_path, schedule, stages, v, d, m):
+    _run(tmp_path, _plan(MLP, stages, schedule, m=m, v=v, d=d), MLP)
