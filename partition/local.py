@@ -79,6 +79,10 @@ class LocalExecutor:
         offload_dir: where streamed state and offloaded activations go (default: the
             system's temporary directory). Checked for room and writability here.
         device: ``"cpu"`` or a CUDA device (offloaded activations go to host memory).
+        init_state: ``init_state(name) -> tensor`` for a model built on the ``meta``
+            device: each parameter and buffer is read by its state-dict name, block by
+            block, streamed blocks straight into the store, so the whole model never
+            exists in memory at once (e.g. ``safetensors.safe_open(f).get_tensor``).
 
     Raises:
         MemoryPlanError: the plan does not fit the model, or a combination the executor
@@ -99,6 +103,7 @@ class LocalExecutor:
         weight_decay: float = 1e-2,
         offload_dir: str | os.PathLike | None = None,
         device: str | torch.device = "cpu",
+        init_state: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
         if optimizer.lower() != "adamw":
             raise ValueError(f"optimizer {optimizer!r} is not supported; use 'adamw'")
@@ -109,6 +114,7 @@ class LocalExecutor:
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
         self.device = torch.device(device)
+        self.init_state = init_state
         self.blocks = as_blocks(model)
         names = [b.name for b in self.blocks]
         if names != [b.name for b in plan.blocks]:
@@ -120,6 +126,7 @@ class LocalExecutor:
         validate(self.schedule)
         self.streamed = self.schedule.streamed
         self._check_plan()
+        self._placeholders = self._swap_meta_parameters()
         self._tie_params()
         self.store: BlockStore | None = None
         self.offload: ActivationOffload | None = None
@@ -130,6 +137,7 @@ class LocalExecutor:
         try:
             self._open_disk(offload_dir)
             self._move_streamed_to_store()
+            self._materialize()
             model.to(self.device)
         except BaseException:
             self.close()
@@ -240,11 +248,60 @@ class LocalExecutor:
         if self.store is None:
             return
         m = self.plan.num_microbatches
+        names = {id(p): n for n, p in self.model.named_parameters()}
         for i in sorted(self.streamed):
             own = self._own[i]
-            self.store.add(i, own, with_grads=m > 1 or i in self._lenders)
+            values = [
+                self._initial(names[id(p)], p) if id(p) in self._placeholders else p
+                for p in own
+            ]
+            self.store.add(i, values, with_grads=m > 1 or i in self._lenders)
+            del values
             for p in own:
                 p.data = _empty_like(p)  # frees the resident copy
+                self._placeholders.discard(id(p))
+
+    def _swap_meta_parameters(self) -> set[int]:
+        """Replace meta parameters by CPU placeholders of the same shape that hold no
+        memory (a broadcast scalar), keeping tied parameters tied; their values come
+        from ``init_state`` later, block by block."""
+        swapped: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
+            for key, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in swapped:
+                    hollow = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                    swapped[id(p)] = nn.Parameter(hollow, requires_grad=p.requires_grad)
+                module._parameters[key] = swapped[id(p)]
+        return {id(p) for p in swapped.values()}
+
+    def _initial(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        if self.init_state is None:
+            raise MemoryPlanError(
+                f"{name} is on the meta device but no init_state was given to read it "
+                "from; build the model on a real device or pass init_state"
+            )
+        value = self.init_state(name)
+        if value.shape != like.shape or value.dtype != like.dtype:
+            raise MemoryPlanError(
+                f"init_state gave {name} as {value.dtype}{list(value.shape)}, but the "
+                f"model has {like.dtype}{list(like.shape)}"
+            )
+        return value
+
+    @torch.no_grad()
+    def _materialize(self) -> None:
+        """Read resident parameters and buffers of a meta-built model from init_state."""
+        for name, p in self.model.named_parameters():
+            if id(p) in self._placeholders:
+                p.data = self._initial(name, p)
+                self._placeholders.discard(id(p))
+        for name, b in self.model.named_buffers():
+            if b.is_meta:
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.model.get_submodule(owner_name)
+                owner._buffers[attr] = self._initial(name, b)
 
     # ------------------------------------------------------------ the step
 

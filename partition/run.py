@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from memory.spec import MemoryPlan
@@ -32,6 +33,21 @@ def save_batches(
     save_file(tensors, str(path))
 
 
+def save_initial_state(
+    workload: str,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> None:
+    """Write ``make_model(seed)``'s parameters and buffers for ``init_file``."""
+    model = get_workload(workload, batch_size=batch_size, seq_len=seq_len).make_model(
+        seed
+    )
+    _save(str(path), model.state_dict())
+
+
 def train_workload(
     workload: str,
     batches_file: str,
@@ -44,6 +60,7 @@ def train_workload(
     offload_dir: str | None = None,
     save: str | None = None,
     threads: int | None = None,
+    init_file: str | None = None,
 ) -> dict[str, Any]:
     """Train ``workload`` on the batches in ``batches_file``, one step per batch.
 
@@ -56,6 +73,10 @@ def train_workload(
         offload_dir: where a plan's files go (default: the system temporary directory).
         save: write the final parameters and buffers to this safetensors file.
         threads: torch intra-op threads (None: torch's default).
+        init_file: with a plan, load the initial weights block by block from this
+            safetensors file (``save_initial_state``) instead of building them: the model
+            is built on the meta device, so streamed blocks never exist in memory all at
+            once. The weights equal ``make_model(seed)``'s.
 
     Returns:
         ``{"losses": [...], "step_times_s": [...], "step_s": median after the first}``.
@@ -65,7 +86,11 @@ def train_workload(
     wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
     data = load_file(batches_file)
     steps = sum(1 for k in data if k.startswith("inputs."))
-    model = wl.make_model(seed)
+    if init_file is not None and plan is not None:
+        with torch.device("meta"):
+            model = wl.make_model(seed)
+    else:
+        model = wl.make_model(seed)
     losses: list[float] = []
     times: list[float] = []
     if plan is None:
@@ -82,8 +107,14 @@ def train_workload(
         _save(save, state)
     else:
         mplan = MemoryPlan.from_dict(plan)
+        source = safe_open(init_file, framework="pt") if init_file else None
         with LocalExecutor(
-            model, wl.loss_fn, mplan, lr=lr, offload_dir=offload_dir
+            model,
+            wl.loss_fn,
+            mplan,
+            lr=lr,
+            offload_dir=offload_dir,
+            init_state=None if source is None else source.get_tensor,
         ) as ex:
             for i in range(steps):
                 t0 = time.perf_counter()
