@@ -1050,3 +1050,31 @@ def even_split(names: list[str], num_stages: int) -> list[list[str]]:
         out.append(names[i : i + k])
         i += k
     return out
+
+
+def simulate_plan(plan: PartitionPlan, profile: Profile, cluster: Cluster) -> SimResult:
+    """Run ``plan``'s schedule in the simulator again (for its timeline)."""
+    if plan.schedule_name == "local":
+        raise ValueError("a one-device plan has no pipeline to simulate")
+    index = {d.name: i for i, d in enumerate(cluster.devices)}
+    p, d = plan.num_ranks, plan.num_replicas
+    try:
+        order = tuple(
+            index[plan.stages[r].devices[g]] for g in range(d) for r in range(p)
+        )
+    except KeyError as e:
+        raise ValueError(f"the plan names device {e} that the cluster lacks") from None
+    st = _Setting(
+        order, d, p, plan.stages_per_rank, plan.schedule_name, plan.num_microbatches
+    )
+    cuts = [0]
+    for s in plan.stages:
+        cuts.append(cuts[-1] + len(s.blocks))
+    costs = _Costs(profile, cluster, d * plan.num_microbatches)
+    flights = _in_flight(st.schedule, p, st.microbatches, st.per_rank)
+    ev = _evaluate(
+        costs, st, tuple(cuts), _limits(cluster, st), flights, PlannerConfig()
+    )
+    if ev is None:
+        raise ValueError("the plan no longer fits this cluster")
+    return ev[0]

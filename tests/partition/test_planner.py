@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -215,3 +216,56 @@ def test_an_infeasible_cluster_states_the_smallest_memory_that_fits():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="unknown schedule 'PipeDream'"):
         plan_partition(synth(), unequal(), PlannerConfig(schedules=("PipeDream",)))
+
+
+def test_cli_plan_prints_the_table_and_json(tmp_path, capsys):
+    import json as _json
+
+    from fleetfit.cli import main
+
+    cluster = tmp_path / "two.toml"
+    cluster.write_text(
+        '[network]\nbandwidth = "100MB/s"\n'
+        '[[hosts]]\nname = "a"\nmemory = "40MB"\ncompute = "probe"\n'
+        '[[hosts]]\nname = "b"\nmemory = "40MB"\ncompute = "probe"\n'
+    )
+    rc = main(
+        [
+            "partition",
+            "plan",
+            "--workload",
+            "digits-mlp",
+            "--cluster",
+            str(cluster),
+            "--json",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "predicted step" in out
+    d = _json.loads(out.strip().splitlines()[-1])
+    assert d["plan"]["batch_size"] >= 1 and d["plan"]["stages"]
+
+
+def test_cli_plan_for_a_gpu_model(capsys):
+    from fleetfit.cli import main
+
+    path = (
+        Path(__file__).resolve().parents[2] / "partition" / "clusters" / "h100-64.toml"
+    )
+    assert (
+        main(["partition", "plan", "--model", "llama2-7b", "--cluster", str(path)]) == 0
+    )
+    assert "MFU" in capsys.readouterr().out
+
+
+def test_cli_names_a_bad_cluster(tmp_path, capsys):
+    from fleetfit.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[hosts]]\nname = "a"\nmemory = "lots"\ncompute = 1e9\n')
+    assert (
+        main(["partition", "plan", "--workload", "digits-mlp", "--cluster", str(bad)])
+        == 2
+    )
+    assert "hosts[0].memory" in capsys.readouterr().err

@@ -1,0 +1,199 @@
+"""``fleetfit partition plan|simulate|run``: cut one training job across devices.
+
+fleetfit partition plan --workload gpt-byte --cluster partition/clusters/unequal-4.toml
+fleetfit partition plan --model llama2-70b --cluster partition/clusters/h100-64.toml
+fleetfit partition simulate --workload gpt-tiny --cluster C.toml --out timeline.png
+fleetfit partition run --workload gpt-tiny --cluster C.toml --steps 3
+
+With ``--json`` each prints one JSON object on the last line of standard output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from typing import Any
+
+from fleetfit.args import non_negative_int, positive_int
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "partition",
+        help="plan, simulate and run a training job split across devices",
+        description="Cut one training job into pipeline stages (and replicas) across "
+        "a cluster's devices; simulate the schedule; run it with torchrun.",
+    )
+    psub = p.add_subparsers(dest="partition_command", required=True)
+    for name, helptext in (
+        ("plan", "print the plan: stages, schedule, predicted step, bubble, peaks"),
+        ("simulate", "plan, then draw the simulated step as a timeline PNG"),
+        ("run", "plan, then run it with torchrun on this machine"),
+    ):
+        q = psub.add_parser(name, help=helptext, description=helptext)
+        q.add_argument(
+            "--cluster", required=True, help="cluster TOML file (see docs/partition.md)"
+        )
+        src = q.add_mutually_exclusive_group(required=True)
+        src.add_argument(
+            "--workload", help="built-in workload or module:function (profiled here)"
+        )
+        if name == "plan":
+            src.add_argument(
+                "--model",
+                help="a GPU-scale model for the analytic layout model: "
+                "llama2-7b, llama2-13b, llama2-70b, gpt3-175b",
+            )
+            q.add_argument(
+                "--global-batch-tokens",
+                type=positive_int,
+                default=4 * 2**20,
+                help="tokens per step for --model (default: 4Mi)",
+            )
+        q.add_argument(
+            "--batch",
+            type=non_negative_int,
+            default=0,
+            help="examples per step (default: the workload's)",
+        )
+        q.add_argument(
+            "--seq",
+            type=non_negative_int,
+            default=0,
+            help="tokens per example for language models (default: the workload's)",
+        )
+        q.add_argument(
+            "--schedules",
+            default="",
+            help="comma-separated schedules to consider (default: all)",
+        )
+        q.add_argument(
+            "--max-microbatches",
+            type=positive_int,
+            default=16,
+            help="most micro-batches per step (default: 16)",
+        )
+        q.add_argument("--json", action="store_true", help="one JSON object at the end")
+        if name == "simulate":
+            q.add_argument(
+                "--out",
+                default="timeline.png",
+                help="PNG to write (default: timeline.png)",
+            )
+        if name == "run":
+            q.add_argument(
+                "--steps", type=positive_int, default=3, help="steps (default: 3)"
+            )
+            q.add_argument(
+                "--out",
+                default="",
+                help="folder for the ranks' results (default: temp)",
+            )
+            q.add_argument(
+                "--seed", type=int, default=0, help="model seed (default: 0)"
+            )
+            q.add_argument(
+                "--timeout",
+                type=positive_int,
+                default=900,
+                help="seconds before the run is killed (default: 900)",
+            )
+        q.set_defaults(func=_run)
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    from memory.profile import profile_workload_fake
+    from workloads import get_workload
+
+    wl = get_workload(
+        args.workload, batch_size=args.batch or None, seq_len=args.seq or None
+    )
+    x, y = wl.example_batch()
+    return wl, profile_workload_fake(
+        wl.factory, x, y, wl.loss_fn, max_microbatches=args.max_microbatches
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from partition.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    if getattr(args, "model", None):
+        from partition.gpu import plan_layout
+
+        lay = plan_layout(args.model, cluster, args.global_batch_tokens)
+        print(cluster.name + ": " + f"{cluster.num_devices} GPUs")
+        print(lay.table())
+        if args.json:
+            print(lay.to_json())
+        return 0
+    from partition.pipeline import SCHEDULES
+    from partition.planner import PlannerConfig, plan_partition
+
+    schedules = tuple(s for s in args.schedules.split(",") if s) or SCHEDULES
+    cfg = PlannerConfig(schedules=schedules, max_microbatches=args.max_microbatches)
+    wl, prof = _profile(args)
+    plan = plan_partition(prof, cluster, cfg)
+    print(cluster.table())
+    print()
+    print(plan.table())
+    result: dict[str, Any] = {"plan": plan.to_dict()}
+    cmd = args.partition_command
+    if cmd == "plan":
+        print()
+        from partition.schedule import format
+
+        text = format(plan.schedule).splitlines()
+        print("\n".join(text[:40] + (["..."] if len(text) > 40 else [])))
+    elif cmd == "simulate":
+        path = _timeline(plan, prof, cluster, args.out)
+        print(f"timeline: {path}")
+        result["timeline"] = str(path)
+    elif cmd == "run":
+        if plan.schedule_name == "local":
+            print(
+                "the plan uses one device: run it with `fleetfit memory run`",
+                file=sys.stderr,
+            )
+            return 2
+        from partition.runtime import launch
+
+        out = args.out or tempfile.mkdtemp(prefix="fleetfit-partition-")
+        res = launch(
+            plan,
+            args.workload,
+            out,
+            steps=args.steps,
+            seed=args.seed,
+            batch_size=args.batch or None,
+            seq_len=args.seq or None,
+            timeout_s=args.timeout,
+        )
+        print(
+            f"losses {' '.join(f'{v:.4f}' for v in res['losses'])}; step "
+            f"{res['step_s']:.4f} s measured vs {plan.predicted_step_s:.4f} s predicted"
+        )
+        result.update(
+            losses=res["losses"],
+            step_s=res["step_s"],
+            out=out,
+            predicted_step_s=plan.predicted_step_s,
+        )
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    del wl
+    return 0
+
+
+def _timeline(plan: Any, prof: Any, cluster: Any, out: str) -> Any:
+    from partition.planner import simulate_plan
+    from partition.simulate import timeline_png
+
+    if plan.schedule_name == "local":
+        raise ValueError(
+            "the plan uses one device (no pipeline to draw); see `fleetfit memory plan`"
+        )
+    res = simulate_plan(plan, prof, cluster)
+    return timeline_png(res, out, title=f"{plan.schedule_name} on {cluster.name}")
