@@ -121,3 +121,31 @@ def test_unknown_workload_in_instruction_is_an_error_reply():
     msg.content.config_records["config"]["workload"] = "nope"
     reply = app(msg, ctx({"partition-id": 0, "num-partitions": 2}))
     assert reply.has_error() and "unknown workload 'nope'" in reply.error.reason
+
+
+def test_part_training_in_a_measured_child_sends_only_the_window():
+    msg, model = train_msg()  # digits-mlp: blocks 0, 1 and the head 2
+    cfg = msg.content.config_records["config"]
+    cfg["kind"], cfg["window-start"], cfg["window-stop"] = "part", 1, 2
+    cfg["measure"] = "child"
+    reply = app(msg, ctx({"partition-id": 0, "num-partitions": 2}))
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    new = reply.content.array_records["arrays"].to_torch_state_dict()
+    assert sorted(new) == ["1.0.bias", "1.0.weight", "2.bias", "2.weight"]
+    old = model.state_dict()
+    assert all(not torch.equal(new[k], old[k]) for k in new)
+    m = reply.content.metric_records["metrics"]
+    assert m["measured-peak-bytes"] > 0 and m["baseline-bytes"] > 100 * 2**20
+    assert m["message-bytes"] >= sum(v.numel() * 4 for v in old.values())
+    assert reply.content.config_records["report"]["peak-method"] == "child"
+
+
+def test_none_assignment_replies_with_the_smallest_budget():
+    msg, _ = train_msg()
+    cfg = msg.content.config_records["config"]
+    cfg["kind"], cfg["min-budget-bytes"], cfg["reason"] = "none", 12345, "too small"
+    reply = app(msg, ctx({"partition-id": 0, "num-partitions": 2}))
+    assert not reply.has_error()
+    m = reply.content.metric_records["metrics"]
+    assert m["min-budget-bytes"] == 12345 and m["num-examples"] == 0
+    assert not reply.content.array_records
