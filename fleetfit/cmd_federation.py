@@ -1,0 +1,365 @@
+"""``fleetfit server`` and ``fleetfit client``: thin wrappers over Flower's own
+``flower-superlink``, ``flwr run`` and ``flower-supernode``.
+
+fleetfit server --port 9091 --rounds 3 --workload digits-cnn --min-nodes 2 --out runs/d
+fleetfit client --superlink 127.0.0.1:9091 --memory-budget 512MB \\
+    --partition-id 0 --num-partitions 2
+
+``server`` starts a SuperLink, waits for it, registers SuperNode public keys if asked,
+starts the run with ``flwr run`` (the ServerApp waits for ``--min-nodes`` nodes and
+samples every connected node each round) and returns when the run ends, stopping the
+SuperLink (also on Ctrl-C or an error). ``client`` starts a SuperNode with its budgets
+in the node config, on a free local port, and stops it on Ctrl-C. Without TLS options
+both run insecure, on loopback, with a warning; with ``--ssl-*`` (server) and
+``--root-certificates`` (client) the links use TLS, and ``--enable-supernode-auth``
+with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
+join. The exact Flower commands are in the README's Deploy section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from fleetfit.args import positive_float, positive_int
+
+log = logging.getLogger("fleetfit")
+BIN = Path(sys.executable).parent
+APP_DIR = Path(__file__).resolve().parents[1]  # the Flower app: pyproject.toml
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "server",
+        help="run a federation's server: a Flower SuperLink and the run",
+        description="Start a SuperLink, run the federation with `flwr run`, stop.",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=positive_int, default=9091, help="SuperLink port")
+    s.add_argument("--rounds", type=positive_int, default=5, help="training rounds")
+    s.add_argument("--workload", default="digits-cnn", help="workload name")
+    s.add_argument(
+        "--min-nodes", type=positive_int, default=2, help="nodes to wait for"
+    )
+    s.add_argument("--out", required=True, help="run folder")
+    s.add_argument(
+        "--local-steps", type=positive_int, default=10, help="steps per round"
+    )
+    s.add_argument(
+        "--round-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds to wait for a round's replies",
+    )
+    s.add_argument(
+        "--node-wait",
+        type=positive_float,
+        default=300.0,
+        help="seconds to wait for --min-nodes",
+    )
+    s.add_argument("--seed", type=int, default=0, help="seed of all randomness")
+    s.add_argument("--resume", action="store_true", help="continue from <out>/state")
+    s.add_argument(
+        "--run-config",
+        default="",
+        help='more run-config keys, TOML ("lr=0.01 min-replies=2")',
+    )
+    s.add_argument("--ssl-certfile", help="TLS: the SuperLink's certificate")
+    s.add_argument("--ssl-keyfile", help="TLS: its private key")
+    s.add_argument("--ssl-ca-certfile", help="TLS: the CA certificate")
+    s.add_argument(
+        "--enable-supernode-auth",
+        action="store_true",
+        help="only registered SuperNodes may join (needs TLS)",
+    )
+    s.add_argument(
+        "--register",
+        action="append",
+        default=[],
+        metavar="KEY.pub",
+        help="register a SuperNode's public key (OpenSSH EC key); repeatable",
+    )
+    s.set_defaults(func=run_server)
+
+    c = sub.add_parser(
+        "client",
+        help="run a device: a Flower SuperNode with its memory budget",
+        description="Start a SuperNode with fleetfit's node config; stop on Ctrl-C.",
+    )
+    c.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
+    c.add_argument("--memory-budget", help='e.g. "512MB" (default: measured)')
+    c.add_argument("--disk-budget", help='e.g. "2GB"; 0 forbids offload')
+    c.add_argument("--partition-id", type=int, required=True)
+    c.add_argument("--num-partitions", type=positive_int, required=True)
+    c.add_argument("--offload-dir", help="where offload and streaming files go")
+    c.add_argument("--root-certificates", help="TLS: the CA certificate")
+    c.add_argument("--auth-private-key", help="SuperNode authentication key")
+    c.set_defaults(func=run_client)
+
+
+# ------------------------------------------------------------------- helpers
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(flwr_home: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_HOME=str(flwr_home),
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+
+
+def _start(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen:
+    out = open(logfile, "wb")  # noqa: SIM115  (closed with the process)
+    return subprocess.Popen(
+        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """Stop a process and its process group: SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:  # children that outlived the leader (superexec, serverapp)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_healthy(
+    host: str, port: int, ca: str | None, timeout_s: float, proc: subprocess.Popen
+) -> None:
+    scheme = "https" if ca else "http"
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the SuperLink exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(
+                f"{scheme}://{host}:{port}/health", timeout=2, context=context
+            ):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"the SuperLink on {host}:{port} was not up in {timeout_s} s")
+
+
+def _check_tls(files: list[str | None], names: str) -> bool:
+    given = [f for f in files if f]
+    if given and len(given) != len(files):
+        raise ValueError(f"TLS needs all of {names}, or none of them")
+    for f in given:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"TLS file {f} does not exist")
+    return bool(given)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so ``finally`` stops what was started."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value)  # a TOML basic string
+
+
+# ------------------------------------------------------------------- server
+def run_server(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
+    tls = _check_tls(
+        [args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile],
+        "--ssl-certfile, --ssl-keyfile and --ssl-ca-certfile",
+    )
+    if args.enable_supernode_auth and not tls:
+        raise ValueError("--enable-supernode-auth needs TLS: give the --ssl-* files")
+    if not tls:
+        log.warning(
+            "running WITHOUT TLS: messages travel in the clear; bind only to "
+            "loopback or a trusted network, or give --ssl-certfile/--ssl-keyfile/"
+            "--ssl-ca-certfile"
+        )
+    if not (APP_DIR / "pyproject.toml").is_file():
+        raise FileNotFoundError(
+            f"the fleetfit Flower app (pyproject.toml) is not in {APP_DIR}; run from a "
+            "source checkout"
+        )
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
+    link_home, cli_home = work / "link", work / "cli"
+    link_home.mkdir()
+    cli_home.mkdir()
+    cmd = [
+        str(BIN / "flower-superlink"),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--database",
+        str(work / "state.db"),
+        "--disable-runtime-dependency-installation",
+    ]
+    if tls:
+        cmd += [
+            "--ssl-certfile",
+            args.ssl_certfile,
+            "--ssl-keyfile",
+            args.ssl_keyfile,
+            "--ssl-ca-certfile",
+            args.ssl_ca_certfile,
+        ]
+    else:
+        cmd.append("--insecure")
+    if args.enable_supernode_auth:
+        cmd.append("--enable-supernode-auth")
+    conn = [f"address = {_toml_str(f'{args.host}:{args.port}')}"]
+    if tls:
+        ca = str(Path(args.ssl_ca_certfile).resolve())
+        conn.append(f"root-certificates = {_toml_str(ca)}")
+    else:
+        conn.append("insecure = true")
+    (cli_home / "config.toml").write_text(
+        '[superlink]\ndefault = "fleetfit"\n\n[superlink.fleetfit]\n'
+        + "\n".join(conn)
+        + "\n"
+    )
+    run_config = (
+        f"num-server-rounds={args.rounds} workload={_toml_str(args.workload)} "
+        f"min-nodes={args.min_nodes} out={_toml_str(str(out))} "
+        f"local-steps={args.local_steps} round-timeout={float(args.round_timeout)} "
+        f"node-wait={float(args.node_wait)} seed={args.seed} "
+        f"resume={'true' if args.resume else 'false'} {args.run_config}"
+    ).strip()
+    superlink = _start(cmd, _env(link_home), out / "superlink.log")
+    print(f"fleetfit server: SuperLink on {args.host}:{args.port}", file=sys.stderr)
+    try:
+        wait_healthy(
+            args.host,
+            args.port,
+            args.ssl_ca_certfile if tls else None,
+            60.0,
+            superlink,
+        )
+        for key in args.register:
+            done = subprocess.run(
+                [str(BIN / "flwr"), "supernode", "register", key, "fleetfit"],
+                env=_env(cli_home),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"registering {key} failed: {done.stdout}{done.stderr}"
+                )
+            print(f"registered SuperNode key {key}", file=sys.stderr)
+        print(f"fleetfit server: run config {run_config}", file=sys.stderr)
+        ran = subprocess.run(
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(APP_DIR),
+                "fleetfit",
+                "--stream",
+                "--run-config",
+                run_config,
+            ],
+            env=_env(cli_home),
+            cwd=APP_DIR,
+        )
+        summary_path = out / "summary.json"
+        rounds = (
+            len(json.loads(summary_path.read_text()).get("rounds", []))
+            if summary_path.exists()
+            else 0
+        )
+        if ran.returncode != 0 or rounds < args.rounds:
+            print(
+                f"fleetfit server: the run ended after {rounds} of {args.rounds} "
+                f"rounds (flwr run exit {ran.returncode}); see {out}/superlink.log",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"run folder: {out}")
+        return 0
+    finally:
+        stop(superlink)
+
+
+# ------------------------------------------------------------------- client
+def run_client(args: argparse.Namespace) -> int:
+    from memory.sizes import parse_bytes
+
+    _exit_on_sigterm()
+    node = [
+        f"partition-id={args.partition_id}",
+        f"num-partitions={args.num_partitions}",
+    ]
+    if not 0 <= args.partition_id < args.num_partitions:
+        raise ValueError(
+            f"--partition-id {args.partition_id} must be in 0..{args.num_partitions - 1}"
+        )
+    if args.memory_budget is not None:
+        parse_bytes(args.memory_budget, what="--memory-budget")
+        node.append(f"memory-budget={_toml_str(args.memory_budget)}")
+    if args.disk_budget is not None:
+        parse_bytes(args.disk_budget, what="--disk-budget", allow_zero=True)
+        node.append(f"disk-budget={_toml_str(args.disk_budget)}")
+    if args.offload_dir:
+        node.append(f"offload-dir={_toml_str(args.offload_dir)}")
+    tls = _check_tls([args.root_certificates], "--root-certificates")
+    if not tls:
+        log.warning(
+            "running WITHOUT TLS: connect only over loopback or a trusted network, "
+            "or give --root-certificates"
+        )
+    home = Path(tempfile.mkdtemp(prefix="fleetfit-client-"))
+    cmd = [
+        str(BIN / "flower-supernode"),
+        "--superlink",
+        args.superlink,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--node-config",
+        " ".join(node),
+    ]
+    cmd += ["--root-certificates", args.root_certificates] if tls else ["--insecure"]
+    if args.auth_private_key:
+        cmd += ["--auth-supernode-private-key", args.auth_private_key]
+    print(f"fleetfit client: {' '.join(node)} -> {args.superlink}", file=sys.stderr)
+    proc = subprocess.Popen(cmd, env=_env(home), start_new_session=True)
+    try:
+        return proc.wait()
+    finally:
+        stop(proc)
