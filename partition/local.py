@@ -138,6 +138,7 @@ class LocalExecutor:
             self._open_disk(offload_dir)
             self._move_streamed_to_store()
             self._materialize()
+            self.init_state = None  # the source (e.g. an open file) is not needed now
             model.to(self.device)
         except BaseException:
             self.close()

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from memory.spec import MemoryPlan
+from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
 from workloads import get_workload
 
@@ -107,7 +107,7 @@ def train_workload(
         _save(save, state)
     else:
         mplan = MemoryPlan.from_dict(plan)
-        source = safe_open(init_file, framework="pt") if init_file else None
+        source = TensorFile(init_file) if init_file else None
         with LocalExecutor(
             model,
             wl.loss_fn,
@@ -116,6 +116,8 @@ def train_workload(
             offload_dir=offload_dir,
             init_state=None if source is None else source.get_tensor,
         ) as ex:
+            if source is not None:
+                source.close()  # every weight is in the model or the store now
             for i in range(steps):
                 t0 = time.perf_counter()
                 losses.append(ex.step(data[f"inputs.{i}"], data[f"targets.{i}"]))
