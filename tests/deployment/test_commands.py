@@ -1,0 +1,292 @@
+"""``fleetfit server`` / ``fleetfit client`` on loopback: three budgets, one node killed
+mid-run, the server killed and resumed; TLS with SuperNode authentication refusing an
+unregistered node. Every process started here is stopped (process groups)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deployment.test_loopback import ROOT, Processes, free_port
+
+pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+FLEETFIT = [sys.executable, "-m", "fleetfit.cli"]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=str(ROOT))
+
+
+def rounds_done(out: Path) -> int:
+    try:
+        return len(json.loads((out / "summary.json").read_text())["rounds"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(1.0)
+    raise TimeoutError(what)
+
+
+def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    procs = Processes(tmp_path)
+    budgets = ["2GB", "400MB", "250MB"]
+    try:
+        clients = [
+            procs.start(
+                f"client{i}",
+                [
+                    *FLEETFIT,
+                    "client",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--memory-budget",
+                    b,
+                    "--disk-budget",
+                    "0",
+                    "--partition-id",
+                    str(i),
+                    "--num-partitions",
+                    "3",
+                ],
+                env(),
+            )
+            for i, b in enumerate(budgets)
+        ]
+        server_args = [
+            *FLEETFIT,
+            "server",
+            "--port",
+            str(port),
+            "--workload",
+            "digits-cnn",
+            "--min-nodes",
+            "3",
+            "--local-steps",
+            "10",
+            "--round-timeout",
+            "60",
+            "--out",
+            str(out),
+        ]
+        server = procs.start("server", [*server_args, "--rounds", "3"], env())
+        wait_for(lambda: rounds_done(out) >= 1, 300, "round 1 never completed")
+        os.killpg(clients[2].pid, signal.SIGKILL)  # a device dies in round 2
+        wait_for(lambda: rounds_done(out) >= 2, 300, "round 2 never completed")
+        os.killpg(server.pid, signal.SIGTERM)  # the server dies after round 2
+        server.wait(timeout=60)
+        assert rounds_done(out) == 2
+        summary = json.loads((out / "summary.json").read_text())
+        r1, r2 = summary["rounds"]
+        assert r1["num_clients"] == 3 and r2["num_clients"] == 2
+        assert any(
+            "no reply" in a["status"] or "error" in a["status"]
+            for a in r2["assignments"]
+        )
+        for a in r1["assignments"]:
+            assert a["kind"] == "full" and a["peak_method"] == "child"
+            assert 0 < a["measured_peak_bytes"] <= a["budget_bytes"], a
+            assert a["message_bytes"] > 100_000
+        resumed = procs.start(
+            "server-resumed",
+            [
+                *server_args[:-4],
+                "--min-nodes",
+                "2",
+                *server_args[-4:],
+                "--rounds",
+                "3",
+                "--resume",
+            ],
+            env(),
+        )
+        assert resumed.wait(timeout=400) == 0, (
+            tmp_path / "server-resumed.log"
+        ).read_text()[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
+        assert summary["rounds"][2]["num_clients"] == 2
+        assert (
+            summary["rounds"][2]["accuracy"] > summary["rounds"][0]["accuracy"] - 0.05
+        )
+    finally:
+        procs.stop()
+    assert all(p.poll() is not None for p in procs.procs)
+
+
+# ------------------------------------------------------------------------ TLS
+def make_tls(d: Path) -> dict[str, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fleetfit test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP384R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.DNSName("localhost"),
+                ]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca": d / "ca.crt",
+        "cert": d / "server.crt",
+        "key": d / "server.key",
+    }
+    files["ca"].write_bytes(ca.public_bytes(pem))
+    files["cert"].write_bytes(cert.public_bytes(pem))
+    files["key"].write_bytes(
+        key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    for name in ("good", "bad"):
+        k = ec.generate_private_key(ec.SECP384R1())
+        files[name] = d / name
+        files[name].write_bytes(
+            k.private_bytes(
+                pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            )
+        )
+        files[f"{name}.pub"] = d / f"{name}.pub"
+        files[f"{name}.pub"].write_bytes(
+            k.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+        )
+    return files
+
+
+def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
+    tls = make_tls(tmp_path)
+    port = free_port()
+    out = tmp_path / "run"
+    procs = Processes(tmp_path)
+    try:
+        server = procs.start(
+            "server",
+            [
+                *FLEETFIT,
+                "server",
+                "--port",
+                str(port),
+                "--rounds",
+                "1",
+                "--min-nodes",
+                "1",
+                "--local-steps",
+                "5",
+                "--out",
+                str(out),
+                "--ssl-certfile",
+                str(tls["cert"]),
+                "--ssl-keyfile",
+                str(tls["key"]),
+                "--ssl-ca-certfile",
+                str(tls["ca"]),
+                "--enable-supernode-auth",
+                "--register",
+                str(tls["good.pub"]),
+            ],
+            env(),
+        )
+        wait_for(
+            lambda: (
+                "registered SuperNode key" in (tmp_path / "server.log").read_text()
+                or server.poll() is not None
+            ),
+            120,
+            "the server never registered the key",
+        )
+        common = [
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--root-certificates",
+            str(tls["ca"]),
+        ]
+        common += ["--num-partitions", "2", "--memory-budget", "2GB"]
+        bad = procs.start(
+            "bad",
+            [
+                *FLEETFIT,
+                "client",
+                *common,
+                "--partition-id",
+                "1",
+                "--auth-private-key",
+                str(tls["bad"]),
+            ],
+            env(),
+        )
+        procs.start(
+            "good",
+            [
+                *FLEETFIT,
+                "client",
+                *common,
+                "--partition-id",
+                "0",
+                "--auth-private-key",
+                str(tls["good"]),
+            ],
+            env(),
+        )
+        assert server.wait(timeout=400) == 0, (tmp_path / "server.log").read_text()[
+            -3000:
+        ]
+        summary = json.loads((out / "summary.json").read_text())
+        (r,) = summary["rounds"]
+        assert [a["partition_id"] for a in r["assignments"]] == [0]
+        assert r["num_clients"] == 1
+        bad_log = (tmp_path / "bad.log").read_text()
+        assert (
+            bad.poll() is not None
+            or "denied" in bad_log.lower()
+            or "unauth" in bad_log.lower()
+        ), bad_log[-2000:]
+    finally:
+        procs.stop()
+    assert all(p.poll() is not None for p in procs.procs)
