@@ -62,13 +62,13 @@ class TensorFile:
             for name, entry in header.items():
                 begin, end = entry["data_offsets"]
                 if (
-                    e["dtype"] not in _DTYPES
+                    entry["dtype"] not in _DTYPES
                     or not 0 <= begin <= end <= size - self._base
                 ):
                     raise MemoryPlanError(f"{self.path}: bad entry for {name!r}")
                 self._entries[name] = (
-                    _DTYPES[e["dtype"]],
-                    list(e["shape"]),
+                    _DTYPES[entry["dtype"]],
+                    list(entry["shape"]),
                     begin,
                     end,
                 )
