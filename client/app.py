@@ -159,7 +159,11 @@ def train(msg: Message, context: Context) -> Message:
         plan=MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None,
         window=(ins.window_start, ins.window_stop) if ins.kind == "part" else None,
         lr=ins.lr,
-        measure=ins.measure,
+        measure=(
+            ("inline" if node.budget_source == "measured" else "child")
+            if ins.measure == "auto"
+            else ins.measure
+        ),
         offload_dir=node.offload_dir,
     )
     del state

@@ -36,7 +36,8 @@ class ServerConfig:
     #   above this many times the round's median; 0 disables
     runtime_reserve: str = "100MiB"  # [runtime-reserve] fixed process costs the
     #   memory model does not hold; plans are made for budget minus this
-    client_measure: str = "child"  # [client-measure] child | inline (see client/train)
+    client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
+    #   measures in a child process when the node was given a budget
     resume: bool = False  # [resume] continue from the run folder's state/ subfolder
     fleet_memory_budgets: str = ""  # [fleet-memory-budgets] comma-separated sizes by
     #   partition id (simulation; a node's own memory-budget wins)
@@ -97,8 +98,8 @@ class ServerConfig:
             raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
         if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
-        if self.client_measure not in ("child", "inline"):
-            raise bad("client-measure", self.client_measure, "child or inline")
+        if self.client_measure not in ("auto", "child", "inline"):
+            raise bad("client-measure", self.client_measure, "auto, child or inline")
         try:
             parse_bytes(self.runtime_reserve, what="runtime-reserve", allow_zero=True)
             for key, spec in (

@@ -57,7 +57,7 @@ FACT_KEYS = (
 )
 
 KINDS = ("full", "part", "none")
-MEASURES = ("child", "inline")
+MEASURES = ("auto", "child", "inline")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class TrainInstruction:
     plan: str = ""  # MemoryPlan JSON of the trained chain ("": plain training)
     window_start: int = 0  # part: first trained block (index into the model's blocks)
     window_stop: int = 0  # part: one past the last trained block before the head
-    measure: str = "child"  # child: train in a measured child process; inline
+    measure: str = "auto"  # child: a measured child process; inline; auto: child
+    #   when the node was given a budget, inline when it measured its own
     min_budget_bytes: int = 0  # none: the smallest budget that would get a part
     reason: str = ""  # none: why, in words
 
