@@ -77,6 +77,10 @@ class PlannerConfig:
             forbids it. Pipelined stages keep state resident.
         max_orders: device orders to try (distinct permutations, then heuristics).
         candidates: boundary sets per setting checked in the simulator.
+        action_overhead_s: seconds of runtime work per stage action (forward or
+            backward of one micro-batch) at the profile's rate, beyond the blocks'
+            own time: the pipelining runtime's bookkeeping, posting sends and
+            receives; scaled by each device's speed like the blocks.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -87,6 +91,7 @@ class PlannerConfig:
     disk_budget_bytes: int = 0
     max_orders: int = 24
     candidates: int = 3
+    action_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,10 @@ class _Setting:
 class _Costs:
     """Per-block numbers at one slice size, and per-device time scales."""
 
-    def __init__(self, profile: Profile, cluster: Cluster, slices: int) -> None:
+    def __init__(
+        self, profile: Profile, cluster: Cluster, slices: int, overhead_s: float = 0.0
+    ) -> None:
+        self.overhead_s = overhead_s
         self.profile = profile
         self.cluster = cluster
         self.c: list[BlockCosts] = [b.costs[slices] for b in profile.blocks]
@@ -302,6 +310,12 @@ class _Costs:
         ]
         self.rec_bytes = [c.input_bytes for c in self.c]
         self.batch_bytes = profile.batch_bytes // slices
+
+    def overhead(self, dev: int) -> float:
+        """Runtime seconds per stage action on ``dev``."""
+        if not self.overhead_s:
+            return 0.0
+        return self.overhead_s * (self.scale[dev] or 1.0)
 
     def fwd(self, k: int, dev: int) -> float:
         c = self.c[k]
@@ -340,8 +354,8 @@ def _stage(
     """Blocks a..b-1 on ``devs`` (one per replica): the fastest recompute choice that
     fits ``limit`` bytes with ``in_flight`` micro-batches held, or None."""
     ks = range(a, b)
-    fwd = {d: sum(costs.fwd(k, d) for k in ks) for d in devs}
-    bwd = {d: sum(costs.bwd(k, d) for k in ks) for d in devs}
+    fwd = {d: sum(costs.fwd(k, d) for k in ks) + costs.overhead(d) for d in devs}
+    bwd = {d: sum(costs.bwd(k, d) for k in ks) + costs.overhead(d) for d in devs}
     work = max(
         max(costs.c[k].forward_peak_bytes, costs.c[k].backward_peak_bytes) for k in ks
     )
@@ -728,7 +742,7 @@ def plan_partition(
             continue  # the one-device case is memory.plan's
         q = st.replicas * st.microbatches
         if q not in cost_cache:
-            cost_cache[q] = _Costs(profile, cluster, q)
+            cost_cache[q] = _Costs(profile, cluster, q, cfg.action_overhead_s)
         costs = cost_cache[q]
         if best is not None and _lower_bound(costs, st) >= best[0]:
             continue
@@ -985,6 +999,7 @@ def fixed_plan(
     num_replicas: int = 1,
     device_order: list[int] | None = None,
     recompute: bool = False,
+    config: PlannerConfig | None = None,
 ) -> PartitionPlan:
     """A plan with the stages given (module names per stage), evaluated like the
     planner's own: for a fixed split such as torch's even one, or for tests.
@@ -1017,17 +1032,13 @@ def fixed_plan(
     cuts = [0]
     for s in stages:
         cuts.append(cuts[-1] + len(s))
-    costs = _Costs(profile, cluster, num_replicas * num_microbatches)
+    cfg = replace(config or PlannerConfig(), recompute=recompute)
+    costs = _Costs(
+        profile, cluster, num_replicas * num_microbatches, cfg.action_overhead_s
+    )
     limits = _limits(cluster, st) if recompute else [2**62] * P
     flights = _in_flight(schedule, ranks, num_microbatches, stages_per_rank)
-    ev = _evaluate(
-        costs,
-        st,
-        tuple(cuts),
-        limits,
-        flights,
-        replace(PlannerConfig(), recompute=recompute),
-    )
+    ev = _evaluate(costs, st, tuple(cuts), limits, flights, cfg)
     if ev is None:
         raise PartitionError(
             "the given stages do not fit their devices even with recompute",
@@ -1052,7 +1063,12 @@ def even_split(names: list[str], num_stages: int) -> list[list[str]]:
     return out
 
 
-def simulate_plan(plan: PartitionPlan, profile: Profile, cluster: Cluster) -> SimResult:
+def simulate_plan(
+    plan: PartitionPlan,
+    profile: Profile,
+    cluster: Cluster,
+    config: PlannerConfig | None = None,
+) -> SimResult:
     """Run ``plan``'s schedule in the simulator again (for its timeline)."""
     if plan.schedule_name == "local":
         raise ValueError("a one-device plan has no pipeline to simulate")
@@ -1070,11 +1086,10 @@ def simulate_plan(plan: PartitionPlan, profile: Profile, cluster: Cluster) -> Si
     cuts = [0]
     for s in plan.stages:
         cuts.append(cuts[-1] + len(s.blocks))
-    costs = _Costs(profile, cluster, d * plan.num_microbatches)
+    cfg = config or PlannerConfig()
+    costs = _Costs(profile, cluster, d * plan.num_microbatches, cfg.action_overhead_s)
     flights = _in_flight(st.schedule, p, st.microbatches, st.per_rank)
-    ev = _evaluate(
-        costs, st, tuple(cuts), _limits(cluster, st), flights, PlannerConfig()
-    )
+    ev = _evaluate(costs, st, tuple(cuts), _limits(cluster, st), flights, cfg)
     if ev is None:
         raise ValueError("the plan no longer fits this cluster")
     return ev[0]

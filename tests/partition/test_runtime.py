@@ -181,3 +181,27 @@ def test_two_processes_match_one(tmp_path, schedule):
 )
 def test_four_processes_match_one(tmp_path, schedule, stages, v, d, m):
     _run(tmp_path, _plan(MLP, stages, schedule, m=m, v=v, d=d), MLP)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_namespace_fleet_runs_a_pipeline_and_cleans_up(tmp_path):
+    import subprocess
+
+    from partition import netns
+
+    why = netns.available()
+    if why:
+        pytest.skip(f"namespace fleet unavailable: {why}")
+    plan = _plan("gpt-tiny", 2, "1F1B", m=2)
+    pf = tmp_path / "plan.json"
+    pf.write_text(plan.to_json())
+    hosts = [netns.HostSpec("a", 0.5, 20e6), netns.HostSpec("b", 0.3, 5e6)]
+    with netns.Fleet(hosts) as fleet:
+        res = fleet.run_ranks(pf, "gpt-tiny", tmp_path, steps=2, timeout_s=300)
+    ref_losses, _ = _reference("gpt-tiny", 2)
+    assert res[1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    left = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True
+    ).stdout
+    assert netns.PREFIX not in left

@@ -1,0 +1,290 @@
+"""Unequal devices: the planned pipeline against torch's even split, on a namespace fleet.
+
+Four hosts made as network namespaces on this machine (partition/netns.py): two fast
+ones with little memory, two slow ones with more, each link shaped to 20 MB/s with tbf,
+speed set by CFS CPU quotas (cgroups, one thread per rank). A 12-block GPT (embed, 10
+layers, head) is planned with fleetfit's planner and, side by side, cut evenly into 4
+stages (3 blocks each: what torch's ``pipeline`` examples do for equal layers) under
+1F1B. Both run with torch.distributed.pipelining; the table shows measured and
+simulated step times.
+
+Run as root from the repository root:
+
+    .venv/bin/python benchmarks/partition_unequal.py            # ~3 minutes on 2 cores
+    .venv/bin/python benchmarks/partition_unequal.py --steps 8 --fast 0.45 --slow 0.15
+
+Without root or ``ip netns`` it prints why and exits 0 (nothing is changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from memory.blocks import as_blocks  # noqa: E402
+from memory.profile import Profile, profile_blocks  # noqa: E402
+from workloads.models import GPT, GPTConfig  # noqa: E402
+
+WORKLOAD = "benchmarks.partition_unequal:workload"
+UNIT = 1e10  # FLOP/s of one full core in the profile's time base (a label, not a claim)
+CFG = GPTConfig(vocab_size=256, context=64, d_model=192, num_layers=10, num_heads=4)
+BATCH, SEQ = 16, 64  # examples, tokens
+
+
+def workload() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """The benchmark's model: a 12-block GPT, batch 16 x 64 tokens (fixed batch)."""
+    model = GPT(CFG)
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return model, (toks[:, :-1].contiguous(), toks[:, 1:].contiguous()), loss
+
+
+def tiny() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """A model with next to no compute: what a pipeline step costs besides blocks."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(32, 8, generator=g), torch.randn(32, 8, generator=g))
+    return model, batch, F.mse_loss
+
+
+def probe_overhead(steps: int = 6) -> float:
+    """Seconds of runtime work per stage action (one thread, full speed, loopback):
+    2 ranks, GPipe, 32 micro-batches of a model with next to no compute."""
+    from partition.cluster import Cluster
+    from partition.planner import fixed_plan
+    from partition.runtime import launch
+
+    model, (x, y), loss = tiny()
+    prof = profile_blocks(
+        as_blocks(model), x, y, loss, measure_time=False, max_microbatches=32
+    )
+    c = Cluster.uniform(2, memory="1GB", compute=UNIT)
+    m = 32
+    plan = fixed_plan(prof, c, [["0"], ["1"]], schedule="GPipe", num_microbatches=m)
+    with tempfile.TemporaryDirectory(prefix="fleetfit-probe-") as tmp:
+        res = launch(plan, "benchmarks.partition_unequal:tiny", tmp, steps=steps)
+    # each rank runs 2m actions back to back, plus one action's worth of fill
+    return res["step_s"] / (2 * m + 1)
+
+
+def _time_blocks(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss,
+    q: int,
+    reps: int = 5,
+) -> list[tuple[float, float]]:
+    """Forward and backward seconds per block at micro-batch size BATCH/q, 1 thread."""
+    blocks = as_blocks(model)
+    xs = x[: BATCH // q]
+    ys = y[: BATCH // q]
+    out = []
+    h = xs
+    for i, b in enumerate(blocks):
+        fw, bw = [], []
+        for r in range(reps + 2):
+            inp = h.detach()
+            if inp.is_floating_point():
+                inp.requires_grad_(True)
+            t0 = time.perf_counter()
+            o = b.module(inp)
+            if i == len(blocks) - 1:
+                o = loss(o, ys)
+            t1 = time.perf_counter()
+            o.backward(None if o.dim() == 0 else torch.ones_like(o))
+            t2 = time.perf_counter()
+            if r >= 2:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+            model.zero_grad(set_to_none=True)
+        out.append((min(fw), min(bw)))  # other processes only ever add time
+        with torch.no_grad():
+            h = b.module(h)
+    return out
+
+
+def profile(max_microbatches: int) -> Profile:
+    """Bytes from memory.profile (fake tensors); times measured here per micro-batch
+    size, one thread, in the UNIT time base."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, (x, y), loss = workload()
+    prof = profile_blocks(
+        as_blocks(model),
+        x,
+        y,
+        loss,
+        measure_time=False,
+        max_microbatches=max_microbatches,
+    )
+    blocks = list(prof.blocks)
+    for q in prof.microbatch_options:
+        times = _time_blocks(model, x, y, loss, q)
+        for i, (f, b) in enumerate(times):
+            c = replace(
+                blocks[i].costs[q], forward_s=f, backward_s=b, time_source="measured"
+            )
+            blocks[i] = replace(blocks[i], costs={**blocks[i].costs, q: c})
+    return replace(prof, blocks=tuple(blocks), flops_per_s=UNIT, time_source="measured")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (default: 6)")
+    ap.add_argument("--fast", type=float, default=0.45, help="fast hosts' core share")
+    ap.add_argument("--slow", type=float, default=0.15, help="slow hosts' core share")
+    ap.add_argument("--bandwidth", default="20MB/s", help="every host's link rate")
+    ap.add_argument(
+        "--fast-memory",
+        default="",
+        help="fast hosts' memory (default: what the even split needs, +10%%)",
+    )
+    ap.add_argument("--slow-memory", default="400MB", help="slow hosts' memory")
+    args = ap.parse_args()
+
+    from memory.sizes import format_bytes, parse_bytes
+    from partition import netns
+    from partition.cluster import Cluster, parse_bandwidth
+    from partition.planner import (
+        PlannerConfig,
+        even_split,
+        fixed_plan,
+        plan_partition,
+    )
+
+    print(
+        f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch "
+        f"{torch.__version__}"
+    )
+    why = netns.available()
+    if why:
+        print(f"skipped: the namespace fleet cannot run here: {why}")
+        return 0
+    overhead = probe_overhead()
+    print(
+        f"runtime overhead per stage action (probe, full core): {overhead * 1e3:.2f} ms"
+    )
+    prof = profile(max_microbatches=16)
+    cfg = PlannerConfig(
+        max_microbatches=16,
+        schedules=("GPipe", "1F1B", "Interleaved1F1B"),
+        action_overhead_s=overhead,
+    )
+    names = [b.name for b in prof.blocks]
+    bw = parse_bandwidth(args.bandwidth)
+
+    def cluster(fast_mem: int) -> Cluster:
+        hosts = [
+            {"name": f"fast{i}", "memory": fast_mem, "compute": args.fast * UNIT}
+            for i in range(2)
+        ] + [
+            {
+                "name": f"slow{i}",
+                "memory": args.slow_memory,
+                "compute": args.slow * UNIT,
+            }
+            for i in range(2)
+        ]
+        return Cluster.from_dict(
+            {
+                "name": "unequal-4",
+                "network": {"bandwidth": bw, "latency": "0.1ms"},
+                "hosts": hosts,
+            }
+        )
+
+    # torch's even split: 4 equal stages in host order, 1F1B, its best micro-batch count
+    big = cluster(parse_bytes("10GB"))
+    evens = []
+    for m in (4, 8, 16):
+        evens.append(
+            fixed_plan(
+                prof,
+                big,
+                even_split(names, 4),
+                schedule="1F1B",
+                num_microbatches=m,
+                config=cfg,
+            )
+        )
+    even = min(evens, key=lambda p: p.predicted_step_s)
+    need = max(s.peak_bytes for s in even.stages[:2])
+    fast_mem = parse_bytes(args.fast_memory) if args.fast_memory else int(need * 1.1)
+    c = cluster(fast_mem)
+    even = fixed_plan(
+        prof,
+        c,
+        even_split(names, 4),
+        schedule="1F1B",
+        num_microbatches=even.num_microbatches,
+        config=cfg,
+    )
+    planned = plan_partition(prof, c, cfg)
+    print(c.table())
+    print(
+        f"\nfast hosts' memory: {format_bytes(fast_mem)} (the even split's fast stages "
+        f"need {format_bytes(need)})\n"
+    )
+    print("planned:\n" + planned.table() + "\n")
+    print("even split:\n" + even.table() + "\n")
+
+    rows = []
+    for label, plan in (("even split (torch)", even), ("fleetfit plan", planned)):
+        order = [
+            plan.stages[r].devices[g]
+            for g in range(plan.num_replicas)
+            for r in range(plan.num_ranks)
+        ]
+        hosts = [
+            netns.HostSpec(n, args.fast if n.startswith("fast") else args.slow, bw)
+            for n in order
+        ]
+        with tempfile.TemporaryDirectory(prefix="fleetfit-bench-") as tmp:
+            pf = Path(tmp) / "plan.json"
+            pf.write_text(plan.to_json())
+            with netns.Fleet(hosts) as fleet:
+                res = fleet.run_ranks(pf, WORKLOAD, tmp, steps=args.steps)
+        step = max(r["step_s"] for r in res)
+        rows.append((label, plan, step, res[0]["losses"]))
+    print(
+        f"{'run':<20}{'stages (blocks)':<22}{'sched':<10}{'m':>3}{'measured s':>12}"
+        f"{'simulated s':>13}{'error':>8}{'examples/s':>12}"
+    )
+    for label, plan, step, _ in rows:
+        split = "+".join(str(len(s.blocks)) for s in plan.stages)
+        if plan.num_replicas > 1:
+            split += f" x{plan.num_replicas}"
+        err = (plan.predicted_step_s - step) / step
+        print(
+            f"{label:<20}{split:<22}{plan.schedule_name:<10}{plan.num_microbatches:>3}"
+            f"{step:>12.3f}{plan.predicted_step_s:>13.3f}{err:>+8.1%}"
+            f"{plan.batch_size / step:>12.2f}"
+        )
+    speedup = rows[0][2] / rows[1][2]
+    print(f"\nthroughput, planned / even: {speedup:.2f}x (target >= 1.3x)")
+    print(
+        "losses equal across runs: "
+        + str(all(abs(a - b) < 1e-4 for a, b in zip(rows[0][3], rows[1][3])))
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
