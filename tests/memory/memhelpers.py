@@ -46,3 +46,25 @@ def getenv(keys: list[str]) -> dict:
     import os
 
     return {k: os.environ.get(k) for k in keys}
+
+
+def profile_big_fake(name: str) -> dict:
+    """Profile a large built-in model on fake tensors; report its parameter bytes."""
+    from memory.profile import profile_workload_fake
+    from workloads import get_workload
+
+    wl = get_workload(name)
+    x, y = wl.example_batch(0)
+    prof = profile_workload_fake(
+        lambda: wl.make_model(0),
+        x,
+        y,
+        wl.loss_fn,
+        measure_time=False,
+        max_microbatches=1,
+        max_loss_chunks=4,
+    )
+    return {
+        "param_bytes": prof.param_bytes,
+        "construction": prof.construction_peak_bytes,
+    }

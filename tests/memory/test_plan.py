@@ -1,0 +1,144 @@
+"""memory.plan: the cost model, exactness against brute force, budgets and errors."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from synthetic import gpt_like_profile, random_profile
+
+from memory import plan as P
+from memory.errors import BudgetError, MemoryPlanError
+from memory.spec import MemoryPlan
+
+BIG_DISK = 10**13
+
+
+def brute_force(profile, raw_budget, disk_budget, microbatching=True):
+    """(time, raw peak) of the fastest plan by enumerating every plan."""
+    best = None
+    n = len(profile.blocks)
+    for m in profile.microbatch_options if microbatching else (1,):
+        cs = [1] + sorted(c for (mm, c) in profile.blocks[-1].chunk_costs if mm == m)
+        for c in cs:
+            model = P._Model(profile, m, c)
+            for choices in itertools.product(*(model.options(k) for k in range(n))):
+                raw = max(e[1] for e in P._events(model, choices))
+                disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
+                if raw_budget is not None and raw > raw_budget or disk > disk_budget:
+                    continue
+                t = sum(model.time(k, ch) for k, ch in enumerate(choices))
+                key = (t, raw) if raw_budget is not None else (raw, t)
+                if best is None or key < best:
+                    best = key
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [4, 5])
+def test_exact_search_equals_brute_force(n, seed):
+    prof = random_profile(n, seed, chunks=(2,) if seed % 2 else (), tied=seed % 3 == 0)
+    smallest = brute_force(prof, None, BIG_DISK)
+    assert P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK) == P._slack(smallest[0])
+    plain = P._predict(P._Model(prof, 1, 1), ["K"] * n)
+    lo = P._slack(smallest[0])
+    for budget in [
+        plain.peak_bytes,
+        lo,
+        (lo + plain.peak_bytes) // 2,
+        lo + (plain.peak_bytes - lo) // 5,
+    ]:
+        raw = P._unslack(budget)
+        want = brute_force(prof, raw, BIG_DISK)
+        plan = P.plan_memory(prof, budget, disk_budget_bytes=BIG_DISK, batch_size=4)
+        pred = P.predict(prof, plan)
+        assert pred.peak_bytes <= budget
+        assert plan.predicted_peak_bytes == pred.peak_bytes
+        assert plan.predicted_step_s == pytest.approx(want[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_disk_budget_is_respected_exactly(seed):
+    prof = random_profile(5, seed + 10)
+    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 5)
+    for disk in [0, 20 * 2**20, 200 * 2**20]:
+        smallest = brute_force(prof, None, disk)
+        lo = P._slack(smallest[0])
+        assert P.min_budget_bytes(prof, disk_budget_bytes=disk) == lo
+        budget = (lo + plain.peak_bytes) // 2
+        want = brute_force(prof, P._unslack(budget), disk)
+        plan = P.plan_memory(prof, budget, disk_budget_bytes=disk, batch_size=4)
+        assert plan.predicted_disk_bytes <= disk
+        assert plan.predicted_step_s == pytest.approx(want[0], rel=1e-12)
+        if disk == 0:
+            assert all(
+                b.activations != "offload" and b.state == "resident"
+                for b in plan.blocks
+            )
+
+
+def test_plain_budget_gives_plain_or_faster_plan_and_none_gives_smallest():
+    prof = random_profile(6, 3)
+    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 6)
+    plan = P.plan_memory(
+        prof, plain.peak_bytes, disk_budget_bytes=BIG_DISK, batch_size=4
+    )
+    assert plan.predicted_step_s <= plain.step_s
+    smallest = P.plan_memory(prof, None, disk_budget_bytes=BIG_DISK, batch_size=4)
+    assert smallest.predicted_peak_bytes == P.min_budget_bytes(
+        prof, disk_budget_bytes=BIG_DISK
+    )
+    assert MemoryPlan.from_dict(smallest.to_dict()) == smallest
+
+
+def test_budget_error_names_the_smallest_budget_and_what_dominates():
+    prof = gpt_like_profile(4)
+    lo = P.min_budget_bytes(prof, disk_budget_bytes=0)
+    with pytest.raises(BudgetError) as e:
+        P.plan_memory(prof, lo - 1, disk_budget_bytes=0, batch_size=4)
+    assert e.value.min_budget_bytes == lo
+    assert str(lo) in str(e.value)
+    assert "resident" in e.value.dominant or "head" in e.value.dominant
+    P.plan_memory(prof, lo, disk_budget_bytes=0, batch_size=4)  # fits exactly
+
+
+def test_bad_inputs():
+    prof = random_profile(3, 0)
+    for bad in [0, -5, 1.5, True]:
+        with pytest.raises(MemoryPlanError, match="positive"):
+            P.plan_memory(prof, bad, batch_size=4)
+    with pytest.raises(MemoryPlanError, match="batch size"):
+        P.plan_memory(prof, 10**9, batch_size=8)
+
+
+def test_no_microbatching_for_batch_dependent_models_unless_allowed():
+    prof = gpt_like_profile(6)
+    lo_any = P.min_budget_bytes(prof, disk_budget_bytes=0)
+    lo_dep = P.min_budget_bytes(prof, disk_budget_bytes=0, batch_dependent=True)
+    assert lo_dep >= lo_any
+    plan = P.plan_memory(
+        prof, lo_dep, disk_budget_bytes=0, batch_size=4, batch_dependent=True
+    )
+    assert plan.num_microbatches == 1
+    plan = P.plan_memory(
+        prof,
+        lo_any,
+        disk_budget_bytes=0,
+        batch_size=4,
+        batch_dependent=True,
+        allow_microbatching=True,
+    )
+    assert plan.predicted_peak_bytes <= lo_any
+
+
+def test_128_blocks_smallest_and_tight_budgets_are_fast():
+    prof = gpt_like_profile(126)
+    t0 = time.perf_counter()
+    lo = P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK)
+    assert time.perf_counter() - t0 < 1.0
+    t0 = time.perf_counter()
+    plan = P.plan_memory(prof, int(lo * 1.3), disk_budget_bytes=BIG_DISK, batch_size=4)
+    assert time.perf_counter() - t0 < 10.0  # the target is 1 s: see docs/memory.md
+    assert plan.predicted_peak_bytes <= int(lo * 1.3)
+    assert sum(b.state == "stream" for b in plan.blocks) > 32
