@@ -68,3 +68,29 @@ def profile_big_fake(name: str) -> dict:
         "param_bytes": prof.param_bytes,
         "construction": prof.construction_peak_bytes,
     }
+
+
+def train(name: str, steps: int = 3, recompute: bool = False) -> dict:
+    """Plain training (or every block under torch.utils.checkpoint) of a workload."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memory.blocks import as_blocks
+    from workloads import get_workload
+
+    wl = get_workload(name)
+    x, y = wl.example_batch(0)
+    model = wl.make_model(0)
+    blocks = as_blocks(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        h = x
+        for b in blocks:
+            h = checkpoint(b.module, h, use_reentrant=False) if recompute else b.module(h)
+        loss = wl.loss_fn(h, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        del h, loss
+    return {"losses": losses}
