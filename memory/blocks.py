@@ -41,7 +41,9 @@ def as_blocks(model: nn.Module) -> list[Block]:
         if isinstance(child, nn.ModuleList | nn.Sequential) and not isinstance(
             model, nn.Sequential
         ):
-            blocks += [Block(f"{name}.{i}", layer) for i, layer in child.named_children()]
+            blocks += [
+                Block(f"{name}.{i}", layer) for i, layer in child.named_children()
+            ]
         else:
             blocks.append(Block(name, child))
     if not blocks:
@@ -81,7 +83,11 @@ def check_blocks(model: nn.Module, inputs: torch.Tensor) -> list[Block]:
         ) from e
     finally:
         model.train(was_training)
-    if not isinstance(want, torch.Tensor) or want.shape != got.shape or not torch.equal(want, got):
+    if (
+        not isinstance(want, torch.Tensor)
+        or want.shape != got.shape
+        or not torch.equal(want, got)
+    ):
         raise MemoryPlanError(
             f"{type(model).__name__}'s children run in order do not reproduce its "
             "forward: its blocks must run in registration order, each on the previous "

@@ -12,15 +12,29 @@ import re
 from memory.errors import MemoryPlanError
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
-    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(
+    r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$"
+)
 
 
-def parse_bytes(text: str | int | float, *, what: str = "size", allow_zero: bool = False) -> int:
+def parse_bytes(
+    text: str | int | float, *, what: str = "size", allow_zero: bool = False
+) -> int:
     """Bytes in a size such as ``"512MB"``, ``"1.5GiB"`` or ``4096``.
 
     Args:

@@ -67,7 +67,9 @@ class MemoryPlan:
         return (
             self.num_microbatches == 1
             and self.loss_chunks == 1
-            and all(b.activations == "keep" and b.state == "resident" for b in self.blocks)
+            and all(
+                b.activations == "keep" and b.state == "resident" for b in self.blocks
+            )
         )
 
     @classmethod
