@@ -118,6 +118,8 @@ def status(key):
                 return int(line.split()[1]) * 1024
 try:
     import torch
+    from memory.overhead import preload_runtime
+    preload_runtime()  # what the first training step would import lazily
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     kwargs = json.loads(kwargs_json)

@@ -47,6 +47,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -211,6 +212,8 @@ class Profile:
         time_source: ``measured``, ``flops`` or ``mixed`` over the blocks.
         loss_chunk_options: the loss chunk counts profiled for the last block.
         disk: the measured disk bandwidth, if measured.
+        runtime_bytes: the fixed cost of torch's first training step (see
+            ``memory.overhead``), part of every event of a step; 0 if not measured.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -223,6 +226,7 @@ class Profile:
     time_source: str = "flops"
     loss_chunk_options: tuple[int, ...] = (1,)
     disk: DiskBandwidth | None = None
+    runtime_bytes: int = 0
 
     @property
     def microbatch_options(self) -> tuple[int, ...]:
@@ -305,7 +309,7 @@ class _LiveBytes(TorchDispatchMode):
         if key in self._refs:
             return
         nbytes = st.nbytes()
-        self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._freed(k, n))
+        self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._freed(k, n))  # type: ignore[misc]
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
@@ -564,7 +568,7 @@ def _time_block(
 
     def run() -> torch.Tensor:
         out = torch.func.functional_call(mod, state, (x,))
-        return loss_fn(out, y_example) if loss_fn is not None else out
+        return loss_fn(out, y_example) if loss_fn is not None else out  # type: ignore[arg-type]
 
     fwd, bwd = [], []
     for i in range(repeats + 2):
@@ -579,7 +583,7 @@ def _time_block(
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
         del out
-        for p in state.values():
+        for p in state.values():  # type: ignore[assignment]
             p.grad = None
     # the minimum: the other processes of a busy machine only ever add time
     return min(fwd), min(bwd)
@@ -731,13 +735,13 @@ def profile_blocks(
         for m, cs in costs_by_m.items():
             by_m[m] = _with_time(cs[j], full, t_fwd, t_bwd, rate, src)
         sources.add(src)
-        cc = {}
+        chunked: dict[tuple[int, int], BlockCosts] = {}
         if j == n - 1:
-            cc = {
+            chunked = {
                 k: _with_time(v, full, t_fwd, t_bwd, rate, src)
                 for k, v in chunk_costs.items()
             }
-        profiles.append(BlockProfile(costs=by_m, chunk_costs=cc, **st))
+        profiles.append(BlockProfile(costs=by_m, chunk_costs=chunked, **st))
     construction = construction_peak_bytes
     if construction is None:
         construction = sum(p.numel() * p.element_size() for p in params) + sum(
@@ -800,7 +804,7 @@ def _is_fake_module(mod: nn.Module) -> bool:
 
 def _fake_mode_of(mod: nn.Module):  # noqa: ANN202
     for p in mod.parameters():
-        return p.fake_mode
+        return p.fake_mode  # type: ignore[attr-defined]
     return None
 
 
@@ -809,7 +813,7 @@ def _input_shapes(
     modules: list[nn.Module], x: torch.Tensor, fake_mode: object
 ) -> list[torch.Tensor]:
     """Each block's input (fake tensors, for their shapes and dtypes)."""
-    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    ctx: Any = fake_mode if fake_mode is not None else contextlib.nullcontext()
     shapes = []
     with ctx:
         for mod in modules:

@@ -8,18 +8,25 @@ dataset they were drawn from.
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from memory.measure import Measurement, measure_in_child
+from memory.overhead import runtime_overhead_bytes
+from memory.profile import Profile, measure_disk_bandwidth, profile_workload_fake
 from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
-from workloads import get_workload
+from workloads import Workload, get_workload
+from workloads.registry import child_env
 
 
 def save_batches(
@@ -131,3 +138,84 @@ def train_workload(
 def _save(path: str | None, state: dict[str, torch.Tensor]) -> None:
     if path:
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, path)
+
+
+def profile_workload(
+    wl: Workload,
+    *,
+    offload_dir: str | None = None,
+    measure_time: bool = True,
+    max_microbatches: int = 16,
+) -> Profile:
+    """The workload's per-block profile (fake tensors) with this disk's bandwidth and
+    this machine's runtime overhead (``memory.overhead``)."""
+    x, y = wl.example_batch()
+    profile = profile_workload_fake(
+        wl.factory,
+        x,
+        y,
+        wl.loss_fn,
+        measure_time=measure_time,
+        max_microbatches=max_microbatches,
+    )
+    profile = replace(profile, runtime_bytes=runtime_overhead_bytes())
+    return profile.with_disk(measure_disk_bandwidth(offload_dir))
+
+
+def loading_from_file(profile: Profile) -> Profile:
+    """The profile of a run that reads its weights block by block from a file
+    (``train_workload(init_file=...)``): building the model holds at most the largest
+    block's parameters beyond what stays resident, which every step holds anyway."""
+    largest = max((b.param_bytes for b in profile.blocks), default=0)
+    return replace(profile, construction_peak_bytes=largest)
+
+
+def measured_run(
+    workload: str,
+    plan: MemoryPlan | None,
+    *,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    offload_dir: str | None = None,
+    save: str | None = None,
+    timeout_s: float = 3600,
+) -> tuple[Measurement, dict[str, Any]]:
+    """Train ``steps`` steps in a fresh child process and measure its peak memory.
+
+    Batches are drawn here from the workload's data (seeded) and handed over in a file;
+    with a plan, the initial weights are written to a file too and the child reads them
+    block by block. Returns the measurement and the child's result.
+    """
+    wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+    batches = wl.batches(wl.items(train=True), seed=seed)
+    with tempfile.TemporaryDirectory(prefix="fleetfit-run-", dir=offload_dir) as tmp:
+        batches_file = os.path.join(tmp, "batches.safetensors")
+        save_batches(batches_file, [next(batches) for _ in range(steps)])
+        init_file = None
+        if plan is not None:
+            init_file = os.path.join(tmp, "init.safetensors")
+            save_initial_state(
+                workload, init_file, seed=seed, batch_size=batch_size, seq_len=seq_len
+            )
+        kwargs: dict[str, Any] = dict(
+            workload=workload,
+            batches_file=batches_file,
+            plan=None if plan is None else plan.to_dict(),
+            seed=seed,
+            lr=lr,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            offload_dir=offload_dir,
+            save=save,
+            init_file=init_file,
+        )
+        m = measure_in_child(
+            "partition.run:train_workload",
+            kwargs,
+            env=child_env(),
+            timeout_s=timeout_s,
+        )
+    return m, m.result

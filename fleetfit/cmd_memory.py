@@ -1,0 +1,254 @@
+"""``fleetfit memory profile|plan|run``: what a training step costs, the plan that fits
+a budget, and a measured run under it.
+
+    fleetfit memory profile --workload gpt-byte
+    fleetfit memory plan --workload gpt2-small --budget 2GiB
+    fleetfit memory run --workload gpt-byte --budget 300MB --steps 3 --json
+    fleetfit memory run --workload gpt-byte --plain --steps 3
+
+With ``--json`` each prints one JSON object on one line, the last line of standard
+output; logs and progress go to standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from fleetfit.args import non_negative_int, positive_float, positive_int
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="profile a training step, plan it into a budget, run it measured",
+        description="Know what a training step costs, plan it into a byte budget, and "
+        "run it with its real peak measured.",
+    )
+    verbs = p.add_subparsers(dest="verb", required=True)
+    for verb, text in (
+        ("profile", "per-block costs of one training step"),
+        ("plan", "the fastest plan that fits --budget (or the smallest plan)"),
+        ("run", "train --steps steps under the plan (or --plain), measured"),
+    ):
+        v = verbs.add_parser(verb, help=text, description=text)
+        v.add_argument(
+            "--workload", required=True, help="built-in workload or module:function"
+        )
+        v.add_argument(
+            "--batch",
+            type=non_negative_int,
+            default=0,
+            help="batch size (built-in workloads; default: the workload's)",
+        )
+        v.add_argument(
+            "--seq",
+            type=non_negative_int,
+            default=0,
+            help="sequence length (language models; default: the workload's)",
+        )
+        v.add_argument(
+            "--json",
+            action="store_true",
+            help="print one JSON object as the last line of standard output",
+        )
+        v.add_argument(
+            "--offload-dir",
+            default=None,
+            help="directory for offloaded activations and streamed state "
+            "(default: the system temporary directory)",
+        )
+        if verb in ("plan", "run"):
+            v.add_argument(
+                "--budget",
+                default=None,
+                help='memory budget, e.g. "512MB", "1.5GiB" (bytes if bare)',
+            )
+            v.add_argument(
+                "--disk-budget",
+                default=None,
+                help="disk the plan may use for offload and streaming; 0 "
+                "forbids both (default: half the free space of --offload-dir)",
+            )
+            v.add_argument(
+                "--allow-microbatching",
+                action="store_true",
+                help="allow micro-batches for models with batch-dependent "
+                "layers (BatchNorm); results then differ from plain training",
+            )
+        if verb == "run":
+            v.add_argument(
+                "--plain",
+                action="store_true",
+                help="plain training (no plan), measured the same way",
+            )
+            v.add_argument(
+                "--steps",
+                type=positive_int,
+                default=3,
+                help="training steps (default: 3)",
+            )
+            v.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+            v.add_argument(
+                "--lr",
+                type=positive_float,
+                default=1e-3,
+                help="AdamW learning rate (default: 0.001)",
+            )
+            v.add_argument(
+                "--save",
+                default=None,
+                help="write the final parameters and buffers (safetensors)",
+            )
+        v.set_defaults(func=run)
+
+
+def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
+    if args.json:
+        print(text, file=sys.stderr)
+        print(json.dumps(obj, sort_keys=True))
+    else:
+        print(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memory.plan import min_budget_bytes, plan_memory, predict
+    from memory.profile import is_batch_dependent
+    from memory.sizes import format_bytes, parse_bytes
+    from memory.spec import MemoryPlan
+    from partition.run import loading_from_file, measured_run, profile_workload
+    from workloads import get_workload
+
+    wl = get_workload(
+        args.workload, batch_size=args.batch or None, seq_len=args.seq or None
+    )
+    budget = disk = None
+    if args.verb != "profile":
+        if args.budget is not None:
+            budget = parse_bytes(args.budget, what="--budget")
+        elif args.verb == "run" and not args.plain:
+            raise ValueError("--budget is required for run (or use --plain)")
+        if args.disk_budget is not None:
+            disk = parse_bytes(args.disk_budget, what="--disk-budget", allow_zero=True)
+    print(
+        f"profiling {wl.name} (batch {wl.batch_size}"
+        + (f" x {wl.seq_len} tokens" if wl.seq_len else "")
+        + ")",
+        file=sys.stderr,
+    )
+    profile = profile_workload(wl, offload_dir=args.offload_dir)
+    if args.verb == "profile":
+        _emit(
+            args, profile.table(), {"workload": wl.name, "profile": profile.to_dict()}
+        )
+        return 0
+
+    plain_profile = profile
+    profile = loading_from_file(profile)
+    with _torch_meta():
+        model = wl.make_model(0)
+    batch_dependent = is_batch_dependent(model)
+    names = [b.name for b in plain_profile.blocks]
+    common = dict(
+        disk_budget_bytes=disk,
+        offload_dir=args.offload_dir,
+        allow_microbatching=args.allow_microbatching or None,
+        batch_dependent=batch_dependent,
+    )
+    smallest = min_budget_bytes(profile, **common)  # type: ignore[arg-type]
+    plan: MemoryPlan | None
+    if args.verb == "run" and args.plain:
+        plan = None
+        pred = predict(plain_profile, MemoryPlan.plain(names))
+        predicted_peak, predicted_s = pred.peak_bytes, pred.step_s
+    else:
+        plan = plan_memory(profile, budget, batch_size=wl.batch_size, **common)  # type: ignore[arg-type]
+        predicted_peak, predicted_s = plan.predicted_peak_bytes, plan.predicted_step_s
+    summary: dict[str, Any] = {
+        "workload": wl.name,
+        "budget_bytes": budget,
+        "disk_budget_bytes": disk,
+        "min_budget_bytes": smallest,
+        "predicted_peak_bytes": predicted_peak,
+        "predicted_step_s": predicted_s,
+        "plan": None if plan is None else plan.to_dict(),
+    }
+    lines = [
+        _describe(plan) if plan is not None else "plain training",
+        f"predicted peak {format_bytes(predicted_peak)}, step "
+        f"{predicted_s:.3f} s; smallest budget that fits: {format_bytes(smallest)}",
+    ]
+    if args.verb == "plan":
+        _emit(args, "\n".join(lines), summary)
+        return 0
+
+    print("\n".join(lines), file=sys.stderr)
+    print(f"running {args.steps} steps in a measured child process", file=sys.stderr)
+    m, result = measured_run(
+        wl.name,
+        plan,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        batch_size=args.batch or None,
+        seq_len=args.seq or None,
+        offload_dir=args.offload_dir,
+        save=args.save,
+    )
+    summary.update(
+        measured_peak_bytes=m.peak_bytes,
+        baseline_bytes=m.baseline_bytes,
+        step_s=result["step_s"],
+        step_times_s=result["step_times_s"],
+        losses=result["losses"],
+        within_budget=None if budget is None else m.peak_bytes <= budget,
+    )
+    rows = [
+        ("budget", "-" if budget is None else format_bytes(budget)),
+        ("predicted peak", format_bytes(predicted_peak)),
+        ("measured peak", format_bytes(m.peak_bytes)),
+        ("import baseline (not counted)", format_bytes(m.baseline_bytes)),
+        ("predicted step", f"{predicted_s:.3f} s"),
+        ("measured step (median after the first)", f"{result['step_s']:.3f} s"),
+        ("losses", " ".join(f"{x:.4f}" for x in result["losses"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    _emit(args, "\n".join(f"{k:<{width}}  {v}" for k, v in rows), summary)
+    if budget is not None and m.peak_bytes > budget:
+        print(
+            f"fleetfit: warning: the measured peak {format_bytes(m.peak_bytes)} "
+            f"exceeds the budget {format_bytes(budget)}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _describe(plan: Any) -> str:
+    code = {
+        ("keep", "resident"): "K",
+        ("recompute", "resident"): "R",
+        ("offload", "resident"): "O",
+        ("recompute", "stream"): "S",
+        ("keep", "stream"): "S",
+        ("offload", "stream"): "S",
+    }
+    blocks = "".join(code[(b.activations, b.state)] for b in plan.blocks)
+    return (
+        f"plan: {blocks} (K keep, R recompute, O offload, S stream), "
+        f"{plan.num_microbatches} micro-batch(es), {plan.loss_chunks} loss chunk(s)"
+    )
+
+
+class _torch_meta:  # noqa: N801
+    """Build a model on the meta device (no memory) to inspect its layers."""
+
+    def __enter__(self) -> None:
+        import torch
+
+        self._ctx = torch.device("meta")
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)

@@ -1,0 +1,78 @@
+"""The fixed memory cost of training with torch, measured once per process.
+
+Two costs come on top of a model's own tensors and are the same for every plan:
+
+- modules that torch imports lazily on the first optimizer step (``torch._dynamo``, about
+  75 MB of RSS) or on the first recompute. ``preload_runtime`` imports them with the
+  other imports, so a measured child counts them in its import baseline, reported
+  separately, as it counts ``import torch`` itself;
+- the first forward and backward's runtime state (autograd engine threads, kernel code
+  paged in, oneDNN caches): ``runtime_overhead_bytes`` measures it with a tiny training
+  step in a child process, and profiles carry it as ``Profile.runtime_bytes``, which
+  the planner adds to every event of a step.
+
+Set ``FLEETFIT_RUNTIME_BYTES`` to skip the probe (e.g. on a device measured before).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Any
+
+RUNTIME_MODULES = ("torch._dynamo", "torch.utils.checkpoint", "torch.optim")
+
+
+def preload_runtime() -> None:
+    """Import what torch would import lazily during the first training step."""
+    for name in RUNTIME_MODULES:
+        importlib.import_module(name)
+
+
+def _probe() -> dict[str, Any]:
+    """Two tiny training steps touching the common kernels: conv, norm, linear,
+    embedding, attention, recompute and AdamW. Its peak is the runtime's own."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2)
+    )
+    emb = nn.Embedding(16, 8)
+    ln = nn.LayerNorm(8)
+    lin = nn.Linear(8, 8)
+    params = [
+        *conv.parameters(),
+        *emb.parameters(),
+        *ln.parameters(),
+        *lin.parameters(),
+    ]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for _ in range(2):
+        img = conv(torch.randn(2, 1, 8, 8)).mean()
+        x = ln(emb(torch.randint(16, (2, 4))))
+        q = checkpoint(lin, x, use_reentrant=False).view(2, 2, 4, 4)
+        a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        logits = F.gelu(a).reshape(16, 4)
+        loss = F.cross_entropy(logits, torch.zeros(16, dtype=torch.long))
+        (loss + img).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {}
+
+
+@functools.cache
+def runtime_overhead_bytes() -> int:
+    """Peak RSS of a tiny training step above the import baseline, bytes (cached)."""
+    override = os.environ.get("FLEETFIT_RUNTIME_BYTES")
+    if override:
+        from memory.sizes import parse_bytes
+
+        return parse_bytes(override, what="FLEETFIT_RUNTIME_BYTES", allow_zero=True)
+    from memory.measure import measure_in_child
+
+    return measure_in_child("memory.overhead:_probe", {}).peak_bytes
