@@ -88,7 +88,7 @@ class TensorFile:
             raise MemoryPlanError(f"{self.path} has no tensor {name!r}")
         dtype, shape, begin, end = self._entries[name]
         out = torch.empty(shape, dtype=dtype)
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         done = 0
         while done < end - begin:
             got = os.preadv(self._fd, [view[done:]], self._base + begin + done)

@@ -15,7 +15,7 @@ def test_reads_what_safetensors_wrote(tmp_path):
     }
     save_file(tensors, tmp_path / "t.safetensors", metadata={"x": "y"})
     with TensorFile(tmp_path / "t.safetensors") as f:
-        assert sorted(f.keys()) == ["a", "b", "c", "d"]
+        assert sorted(f.keys()) == ["a", "b", "c", "d", "e"]
         for k, v in tensors.items():
             got = f.get_tensor(k)
             assert got.dtype == v.dtype and torch.equal(got, v)
