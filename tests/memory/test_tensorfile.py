@@ -12,6 +12,7 @@ def test_reads_what_safetensors_wrote(tmp_path):
         "b": torch.arange(7, dtype=torch.int64),
         "c": torch.randn(2, 2).to(torch.bfloat16),
         "d": torch.ones(0),
+        "e": torch.tensor(7, dtype=torch.int64),
     }
     save_file(tensors, tmp_path / "t.safetensors", metadata={"x": "y"})
     with TensorFile(tmp_path / "t.safetensors") as f:
