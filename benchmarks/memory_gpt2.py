@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from memory.errors import BudgetError
+from memory.errors import BudgetError, MeasurementError
 from memory.plan import plan_memory, predict
 from memory.sizes import format_bytes, parse_bytes
 from memory.spec import BlockPlan, MemoryPlan
@@ -113,7 +113,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"  {label}: no plan ({e})", file=sys.stderr)
             continue
-        row = measure(label, plan, plan.predicted_peak_bytes)
+        try:
+            row = measure(label, plan, plan.predicted_peak_bytes)
+        except MeasurementError as e:
+            reason = str(e).strip().splitlines()[-1]
+            rows.append(
+                {
+                    "row": label,
+                    "budget_bytes": budget,
+                    "error": reason,
+                    "plan": _code(plan),
+                }
+            )
+            print(f"  {label}: run failed ({reason})", file=sys.stderr)
+            continue
         row["budget_bytes"] = budget
 
     head = (
