@@ -126,28 +126,22 @@ def _env(flwr_home: Path) -> dict[str, str]:
 
 
 def _start(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen:
+    # Same process group as this command: whoever stops the group (Ctrl-C, a
+    # supervisor, a test) stops the Flower process too, even if this one is killed.
     out = open(logfile, "wb")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(
-        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """Stop a process and its process group: SIGTERM, then SIGKILL."""
+    """Stop a Flower process: SIGTERM, then SIGKILL. Its own children (superexec,
+    serverapp, clientapp) watch their parent's pid and exit after it."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        proc.terminate()
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait()
-    try:  # children that outlived the leader (superexec, serverapp)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def wait_healthy(
@@ -358,7 +352,7 @@ def run_client(args: argparse.Namespace) -> int:
     if args.auth_private_key:
         cmd += ["--auth-supernode-private-key", args.auth_private_key]
     print(f"fleetfit client: {' '.join(node)} -> {args.superlink}", file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=_env(home), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=_env(home))  # same process group: see _start
     try:
         return proc.wait()
     finally:

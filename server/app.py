@@ -92,9 +92,28 @@ class FlowerTransport:
             )
             for node_id, (arrays, config) in instructions.items()
         ]
-        # Flower returns what arrived by the deadline: a dead or slow node costs the
-        # round its update, never the round itself.
-        return list(self.grid.send_and_receive(msgs, timeout=timeout_s))
+        # What arrived by the deadline: a dead or slow node costs the round its
+        # update, never the round itself. Waiting also ends early when every node
+        # still owing a reply has left the federation.
+        pending = dict(zip(self.grid.push_messages(msgs), instructions))
+        replies: list[Message] = []
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+                    replies.append(reply)
+            if not pending or time.monotonic() > deadline:
+                break
+            live = set(self.grid.get_node_ids())
+            if not live & set(pending.values()):
+                log.warning(
+                    "round %d: node(s) %s left without replying",
+                    server_round,
+                    sorted(pending.values()),
+                )
+                break
+            time.sleep(0.5)
+        return replies
 
 
 app = make_app()

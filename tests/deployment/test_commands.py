@@ -80,7 +80,7 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
             "--local-steps",
             "10",
             "--round-timeout",
-            "60",
+            "240",
             "--out",
             str(out),
         ]

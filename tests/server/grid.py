@@ -34,28 +34,44 @@ class FakeGrid:
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
 
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        self._ready = getattr(self, "_ready", {})
+        ids = []
+        for msg in messages:
+            reply = self._deliver(msg)
+            mid = f"m{len(self.log)}"
+            ids.append(mid)
+            if reply is not None:
+                reply.metadata.__dict__["_reply_to_message_id"] = mid
+                self._ready[mid] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self._ready.pop(m) for m in list(message_ids) if m in self._ready]
+
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        replies = []
-        for msg in messages:
-            node_id = msg.metadata.dst_node_id
-            self.log.append((msg.metadata.message_type, node_id))
-            if node_id in self.silent and msg.metadata.message_type != "query":
-                continue
-            app, node_config = self.nodes[node_id]
-            ctx = Context(
-                run_id=1,
-                node_id=node_id,
-                node_config=node_config,
-                state=self.state[node_id],
-                run_config=self.run_config,
-            )
-            try:
-                reply = app(msg, ctx)
-            except Exception as e:  # as Flower's runtime does: an error reply
-                reply = Message(Error(0, f"{type(e).__name__}: {e}"), reply_to=msg)
-            if self.tamper is not None:
-                reply = self.tamper(node_id, reply)
-            replies.append(reply)
-        return replies
+        replies = [self._deliver(m) for m in messages]
+        return [r for r in replies if r is not None]
+
+    def _deliver(self, msg: Message) -> Message | None:
+        node_id = msg.metadata.dst_node_id
+        self.log.append((msg.metadata.message_type, node_id))
+        if node_id in self.silent and msg.metadata.message_type != "query":
+            return None
+        app, node_config = self.nodes[node_id]
+        ctx = Context(
+            run_id=1,
+            node_id=node_id,
+            node_config=node_config,
+            state=self.state[node_id],
+            run_config=self.run_config,
+        )
+        try:
+            reply = app(msg, ctx)
+        except Exception as e:  # as Flower's runtime does: an error reply
+            reply = Message(Error(0, f"{type(e).__name__}: {e}"), reply_to=msg)
+        if self.tamper is not None:
+            reply = self.tamper(node_id, reply)
+        return reply

@@ -114,7 +114,8 @@ def test_malformed_replies_and_dead_nodes_do_not_stop_rounds(tmp_path):
         return Message(content=content, metadata=reply.metadata)
 
     grid = FakeGrid(nodes(8), tamper=tamper, silent={2007})
-    summary = federate(config(tmp_path, num_server_rounds=1), grid)
+    cfg = config(tmp_path, num_server_rounds=1, round_timeout_s=1.0)
+    summary = federate(cfg, grid)
     r = summary["rounds"][0]
     status = {a["node_id"]: a["status"] for a in r["assignments"]}
     assert status[2000] == "ok" and status[2006] == "ok"
@@ -127,7 +128,7 @@ def test_malformed_replies_and_dead_nodes_do_not_stop_rounds(tmp_path):
 
 def test_min_replies_keeps_the_model_when_too_few_arrive(tmp_path):
     grid = FakeGrid(nodes(3), silent={2001, 2002})
-    cfg = config(tmp_path, num_server_rounds=1, min_replies=2)
+    cfg = config(tmp_path, num_server_rounds=1, min_replies=2, round_timeout_s=1.0)
     summary = federate(cfg, grid)
     r = summary["rounds"][0]
     assert r["num_clients"] == 0 and any("min-replies=2" in e for e in r["errors"])
@@ -155,6 +156,21 @@ def test_killed_and_resumed_run_ends_bit_identical(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert load_state(tmp_path / "b" / "run")[0] == 4
     assert len(list((tmp_path / "b" / "run" / "state").glob("model-*"))) == 1
+
+
+def test_waiting_ends_when_the_silent_nodes_have_left(tmp_path):
+    class Leaving(FakeGrid):
+        def get_node_ids(self):
+            live = list(self.nodes)
+            if any(t == "train" for t, _ in self.log):  # 2001 dies in round 1
+                live.remove(2001)
+            return live
+
+    grid = Leaving(nodes(2), silent={2001})
+    cfg = config(tmp_path, num_server_rounds=1, round_timeout_s=300.0)
+    summary = federate(cfg, grid)  # returns long before the 300 s deadline
+    r = summary["rounds"][0]
+    assert r["num_clients"] == 1 and r["round_s"] < 60
 
 
 def test_resume_refuses_another_workload(tmp_path):
