@@ -7,12 +7,14 @@ micro-batches and of loss chunks. ``predict`` is the cost model: the peak of the
 of a step as ``partition.local`` runs it (see docs/memory.md), the step time (compute,
 recompute and disk I/O at the measured bandwidth) and the bytes on disk.
 
-The search is exact for the cost model. For each micro-batch count, loss chunk count and
-state of the owners of shared parameters, a dynamic programme walks the chain of blocks
-keeping, per choice of the previous block, the Pareto set of partial plans over
-(time, disk bytes and three memory quantities that fully determine every later event:
-see ``_Walker``). A dominated partial plan cannot lead to a better complete plan, so
-the optimum is kept; tests check it against brute force.
+The search is exact for the cost model. For each micro-batch count and state of the
+owners of shared parameters (loss chunk counts are options of the last block), a
+dynamic programme walks the chain of blocks keeping, per class of the previous block,
+the Pareto set of partial plans over (exact time, disk bytes and two memory quantities
+that determine every later event: see ``_Step`` and ``_bounds``). A dominated partial
+plan cannot lead to a better complete plan, so the optimum is kept; branch and bound
+with a lower bound on the rest of the chain (tabulated backwards) and a cut from a
+quick dive keeps the sets small. Tests check it against brute force.
 
 Example:
     >>> plan = plan_memory(profile, parse_bytes("512MB"), batch_size=4)  # doctest: +SKIP
@@ -29,19 +31,21 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from memory.errors import BudgetError, MemoryPlanError
 from memory.profile import BlockCosts, BlockProfile, DiskBandwidth, Profile
 from memory.sizes import format_bytes
-from memory.spec import BlockPlan, MemoryPlan
+from memory.spec import Activations, BlockPlan, MemoryPlan, State
 
 logger = logging.getLogger(__name__)
 
 KEEP, RECOMPUTE, OFFLOAD, STREAM = "K", "R", "O", "S"
 OPTIONS = (KEEP, RECOMPUTE, OFFLOAD, STREAM)
-_AS_PLAN = {
+_AS_PLAN: dict[str, tuple[Activations, State]] = {
     KEEP: ("keep", "resident"),
     RECOMPUTE: ("recompute", "resident"),
     OFFLOAD: ("offload", "resident"),
@@ -95,7 +99,11 @@ class _Model:
         self.costs: list[BlockCosts] = [b.costs[m] for b in blocks]
         if c > 1:
             self.chunk = blocks[-1].chunk_costs[(m, c)]
-        self.base = profile.batch_bytes + sum(b.buffer_bytes for b in blocks)
+        self.base = (
+            profile.batch_bytes
+            + sum(b.buffer_bytes for b in blocks)
+            + profile.runtime_bytes
+        )
         max_tensor = max((b.max_param_tensor_bytes for b in blocks), default=0)
         self.opt_temp = 2 * max_tensor  # AdamW's per-tensor temporaries (sqrt, divide)
         names = [b.name for b in blocks]
@@ -329,149 +337,353 @@ def _choices_of(plan: MemoryPlan) -> list[str]:
 
 
 # --------------------------------------------------------------------------- search
+_CLASSES = (KEEP, RECOMPUTE)
+"""Search keys, as the next block sees a block: it holds its output for the backward
+(keeps or offloads and saves it) or not."""
+
+_NO_EVENT = -(2**62)  # the empty rest of the chain adds no event
+_TIME_SLOP = 1e-12  # relative: float sums of the same times in another order
+
+
 @dataclass(frozen=True)
-class _State:
-    x: int  # max over events so far, plus the resident state added since each
-    y: int  # kept activations + resident P+O (m > 1: P+G+O) so far
-    z: int  # disk bytes
-    t: float
-    choices: tuple[str, ...]
+class _Step:
+    """One option of one block, as the search sees it.
 
+    A partial plan is summed up by (x, y): this option turns it into
+    (max(x + beta, y + c[prev]), y + a[prev]), where ``prev`` indexes ``_CLASSES`` for
+    the previous block, and adds ``dz`` bytes on disk and ``dt`` seconds.
 
-def _prune(
-    states: list[_State], use_time: bool, use_disk: bool, grid: int = 0
-) -> list[_State]:
-    """The Pareto-minimal states over (t, z, x, y): a dominated partial plan never
-    leads to a better complete plan, since every later quantity grows monotonically in
-    each of them. With ``grid`` > 0, x and y are compared rounded up to the grid: a
-    quick approximate pass whose result is feasible but perhaps not optimal."""
-    if grid:
-        rounded = {}
-        for s in states:
-            key = (-(-s.x // grid), -(-s.y // grid), s.z if use_disk else 0)
-            if key not in rounded or s.t < rounded[key].t:
-                rounded[key] = s
-        states = list(rounded.values())
-    if not use_time and not use_disk:
-        states.sort(key=lambda s: (s.x, s.y, s.t))
-        kept: list[_State] = []
-        best_y = None
-        for s in states:
-            if best_y is None or s.y < best_y:
-                kept.append(s)
-                best_y = s.y
-        return kept
-    states.sort(
-        key=lambda s: (s.t if use_time else 0.0, s.z if use_disk else 0, s.x, s.y)
-    )
-    if not use_disk or not use_time:
-        # one sort key plus (x, y): a staircase of (x ascending, y descending) points
-        stair_x: list[int] = []
-        stair_y: list[int] = []
-        kept = []
-        for s in states:
-            i = bisect.bisect_right(stair_x, s.x)
-            if i and stair_y[i - 1] <= s.y:
-                continue  # some earlier state has x <= s.x and y <= s.y
-            kept.append(s)
-            j = i
-            while j < len(stair_x) and stair_y[j] >= s.y:
-                j += 1
-            stair_x[i:j] = [s.x]
-            stair_y[i:j] = [s.y]
-        return kept
-    kept = []
-    for s in states:
-        if not any(q.x <= s.x and q.y <= s.y and q.z <= s.z for q in kept):
-            kept.append(s)
-    return kept
-
-
-def _search(
-    model: _Model,
-    fixed: dict[int, Iterable[str]],
-    raw_budget: int | None,
-    disk_budget: int | None,
-    use_time: bool,
-    time_bound: float | None = None,
-    grid: int = 0,
-) -> list[tuple[int, float, int, tuple[str, ...]]]:
-    """Exact search over one setting; returns Pareto (raw peak, time, disk, choices).
-
-    ``time_bound``: drop partial plans that cannot finish faster than this (the time
-    of a known feasible plan): branch and bound, still exact. ``grid``: see ``_prune``.
-
-    With ``use_time`` False only the smallest-peak plans are of interest.
-
-    Why the state suffices: let B_k be the resident P+G+O of blocks <= k, PO_k their
+    Why (x, y) suffices: let B_k be the resident P+G+O of blocks <= k, PO_k their
     P+O, A_k the activations kept up to block k (own saved tensors and held inputs).
     With m = 1 the backward event of block j is
         base + PO_n + G_{>j} + A_j + local_j = base + (A_j + PO_j) + local_j + (B_n - B_j)
-    so with Y = A + PO, ``x = max_j(Y_j + local_j + B_{(j,k]})`` grows by each later
-    block's resident state and by nothing else, and the final peak is base + x. Forward
-    events are modelled with the later blocks' gradients resident (true for every
-    micro-batch after the first), which gives them the same form. With m > 1 the
-    gradients are resident all along and Y = A + B. The optimizer step's
-    ``base + B_n + temp`` is the initial x = temp.
+    so with y = A + PO, x = max_j(y_j + local_j + B_{(j,k]}) grows by each later
+    block's resident state (beta) and by nothing else, and the final peak is base + x.
+    Forward events are modelled with the later blocks' gradients resident (true for
+    every micro-batch after the first), which gives them the same form. With m > 1
+    the gradients are resident all along and y = A + B. The optimizer step's
+    base + B_n + temp is the initial x = temp.
     """
-    n = model.n
-    p = model.profile
-    m = model.m
-    streamed_flags = [STREAM in tuple(fixed.get(k, ())) for k in range(n)]
-    use_disk = disk_budget is not None and disk_budget < sum(
-        max(model.disk(k, o) for o in model.options(k)) for k in range(n)
-    )
-    # key: does the previous block keep its output (decides whether our input is held)
-    frontier: dict[str, list[_State]] = {KEEP: [_State(model.opt_temp, 0, 0, 0.0, ())]}
-    limit = raw_budget - model.base if raw_budget is not None else None
-    allowed = [
-        tuple(o for o in fixed.get(k, model.options(k)) if o in model.options(k))
-        for k in range(n)
-    ]
-    # the fastest any rest of the chain can be: a lower bound for branch and bound
-    rest_s = [0.0] * (n + 1)
-    for k in reversed(range(n)):
-        rest_s[k] = rest_s[k + 1] + min(model.time(k, o) for o in allowed[k])
-    slop = 1e-9 * (1 + (time_bound or 0.0))
-    for k in range(n):
-        opts = allowed[k]
-        sh = model.shared_load(k, streamed_flags)
+
+    cur: str
+    out: int  # this block's index in _CLASSES, for the next block
+    beta: int
+    a: tuple[int, int]
+    c: tuple[int, int]
+    dz: int
+    dt: float
+    chunks: int  # the loss chunks of the setting this step belongs to (last block)
+
+
+def _steps(
+    model: _Model, fixed: dict[int, tuple[str, ...]], cache: dict[tuple, list[_Step]]
+) -> list[list[_Step]]:
+    """Every allowed option of every block as a ``_Step``; rows shared by settings
+    (a block's row depends on the setting only through these keys) come from
+    ``cache``."""
+    streamed = [STREAM in fixed.get(k, ()) for k in range(model.n)]
+    table = []
+    for k in range(model.n):
+        opts = tuple(o for o in fixed.get(k, model.options(k)) if o in model.options(k))
+        sh = model.shared_load(k, streamed)
+        key = (model.m, model.c if k == model.n - 1 else 0, k, opts, sh)
+        if key in cache:
+            table.append(cache[key])
+            continue
         saves_out = model.costs[k].saves_output
-        new: dict[str, list[_State]] = {}
-        for prev, states in frontier.items():
-            for cur in opts:
-                res = cur != STREAM
-                beta = model.resident_all(k) if res else 0
-                grow = (beta if m > 1 else model.resident_po(k)) if res else 0
-                held = model.held_boundary(k, prev, cur)
-                kept = model.kept(k, cur)
-                f_local = model.forward_local(k, cur, sh)
-                b_local = model.backward_local(k, cur, sh)
-                dz = model.disk(k, cur)
-                dt = model.time(k, cur)
-                key = KEEP if (cur in (KEEP, OFFLOAD) and saves_out) else RECOMPUTE
-                bucket = new.setdefault(key, [])
-                for s in states:
-                    y = s.y + grow + held + kept
-                    x = max(s.x + beta, s.y + grow + f_local, y + b_local)
-                    z = s.z + dz
-                    if limit is not None and x > limit:
-                        continue
-                    if disk_budget is not None and z > disk_budget:
-                        continue
-                    t = s.t + dt
-                    if time_bound is not None and t + rest_s[k + 1] > time_bound + slop:
-                        continue
-                    bucket.append(_State(x, y, z, t, (*s.choices, cur)))
-        frontier = {c: _prune(v, use_time, use_disk, grid) for c, v in new.items() if v}
-        if not frontier:
-            return []
+        row = []
+        for cur in opts:
+            res = cur != STREAM
+            beta = model.resident_all(k) if res else 0
+            grow = (beta if model.m > 1 else model.resident_po(k)) if res else 0
+            kept = model.kept(k, cur)
+            f = grow + model.forward_local(k, cur, sh)
+            b = model.backward_local(k, cur, sh)
+            a0, a1 = (grow + model.held_boundary(k, p, cur) + kept for p in _CLASSES)
+            out = 0 if (cur in (KEEP, OFFLOAD) and saves_out) else 1
+            row.append(
+                _Step(
+                    cur,
+                    out,
+                    beta,
+                    (a0, a1),
+                    (max(f, a0 + b), max(f, a1 + b)),
+                    model.disk(k, cur),
+                    model.time(k, cur),
+                    model.c if k == model.n - 1 else 1,
+                )
+            )
+        cache[key] = row
+        table.append(row)
+    return table
+
+
+def _unlink(linked: tuple | None) -> tuple[_Step, ...]:
     out = []
-    for states in frontier.values():
-        for s in states:
-            raw = max(model.base + s.x, p.construction_peak_bytes)
-            out.append((raw, s.t, s.z, s.choices))
-    return out
+    while linked is not None:
+        out.append(linked[0])
+        linked = linked[1]
+    return tuple(reversed(out))
+
+
+def _smallest(
+    model: _Model, steps: list[list[_Step]], disk_budget: int | None
+) -> tuple[int, float, tuple[_Step, ...]] | None:
+    """The plan with the smallest raw peak: (raw peak, time, steps), or None.
+
+    Pareto sets over (z, x, y) only: time does not matter here."""
+    use_disk = _disk_binds(steps, disk_budget)
+    # state: (x, y, z, t, choices as a linked list)
+    frontier: dict[int, list[tuple]] = {0: [(model.opt_temp, 0, 0, 0.0, None)]}
+    for row in steps:
+        new: dict[int, list[tuple]] = {}
+        for prev, states in frontier.items():
+            for st in row:
+                a, c, beta, dz, dt = st.a[prev], st.c[prev], st.beta, st.dz, st.dt
+                bucket = new.setdefault(st.out, [])
+                for x, y, z, t, ch in states:
+                    if use_disk and z + dz > disk_budget:
+                        continue
+                    x2 = x + beta if x + beta > y + c else y + c
+                    bucket.append((x2, y + a, z + dz, t + dt, (st, ch)))
+        frontier = {}
+        for key, states in new.items():
+            if use_disk:
+                states.sort(key=lambda s: (s[2], s[0], s[1]))
+                kept = _staircase(states, 0, 1)
+            else:
+                states.sort(key=lambda s: (s[0], s[1], s[3]))
+                kept, best_y = [], None
+                for s in states:
+                    if best_y is None or s[1] < best_y:
+                        kept.append(s)
+                        best_y = s[1]
+            if kept:
+                frontier[key] = kept
+        if not frontier:
+            return None
+    x, _y, _z, t, ch = min(
+        (s for states in frontier.values() for s in states), key=lambda s: (s[0], s[3])
+    )
+    raw = max(model.base + x, model.profile.construction_peak_bytes)
+    return raw, t, _unlink(ch)
+
+
+def _staircase(states: list[tuple], ix: int, iy: int) -> list[tuple]:
+    """States, in an order where no state is dominated by a later one, less those
+    that an earlier state dominates in (s[ix], s[iy])."""
+    stair_x: list[int] = []
+    stair_y: list[int] = []
+    kept = []
+    for s in states:
+        sx, sy = s[ix], s[iy]
+        i = bisect.bisect_right(stair_x, sx)
+        if i and stair_y[i - 1] <= sy:
+            continue  # an earlier state has x <= sx and y <= sy
+        kept.append(s)
+        j = i
+        while j < len(stair_x) and stair_y[j] >= sy:
+            j += 1
+        stair_x[i:j] = [sx]
+        stair_y[i:j] = [sy]
+    return kept
+
+
+def _disk_binds(steps: list[list[_Step]], disk_budget: int | None) -> bool:
+    return disk_budget is not None and disk_budget < sum(
+        max(st.dz for st in row) for row in steps
+    )
+
+
+def _stair_np(
+    q: np.ndarray, t: np.ndarray, limit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The points (q, t) with q <= limit that no other point beats in both q and t, by
+    q. The input is a few runs each sorted by q (a stable sort merges them)."""
+    inside = q <= limit
+    q, t = q[inside], t[inside]
+    if not len(q):
+        return q, t
+    order = np.argsort(q, kind="stable")
+    q, t = q[order], t[order]
+    keep = np.empty(len(q), dtype=bool)
+    keep[0] = True
+    np.less(t[1:], np.minimum.accumulate(t)[:-1], out=keep[1:])
+    q, t = q[keep], t[keep]
+    last = np.empty(len(q), dtype=bool)  # of equal q, the last has the smallest t
+    last[-1] = True
+    np.not_equal(q[1:], q[:-1], out=last[:-1])
+    return q[last], t[last]
+
+
+_Stair = tuple[list[int], list[float]]
+
+
+_WEIGHTS = ((1, 0), (0, 1))
+"""The relaxations ``_bounds`` tabulates, as weights (of Q, of P). A surrogate such as
+(3, 1) raises the first lower bound by 1-2% at generous budgets but prunes no more
+partial plans on the 128-block profile, so it is not worth its table."""
+
+_Bounds = list[list[list[_Stair]]]
+
+
+def _bounds(steps: list[list[_Step]], limit: int) -> _Bounds:
+    """Lower bounds on the time of the rest of the chain, from relaxations.
+
+    A rest of the chain from block k on turns a partial plan (x, y) into a final
+    x = max(x + P, y + Q), where P is the resident state it adds and Q (as small as
+    ``_NO_EVENT`` when empty) follows Q' = max(c + P, a + Q) block by block from the
+    end, P' = beta + P. A rest within ``limit`` has u Q + v P <= u (limit - y) +
+    v (limit - x) for any weights u, v >= 0, and r = u Q + v P follows
+    r' >= max(u c + v beta, u a + v beta + r) (as P >= 0): a chain of one number, so
+    the fastest rest for each r is a staircase. (1, 0) keeps the activations and
+    events, (0, 1) the resident state (a knapsack). ``table[k][w][cls]`` (by the class of block k-1, for
+    the classes it can have) is the staircase (r ascending, fastest time descending)
+    for the weights ``_WEIGHTS[w]``, with r up to (u + v) ``limit``; the largest
+    time read from the tables is a lower bound.
+    """
+    n = len(steps)
+    # times as whole ticks, each rounded down (a lower bound stays one): equal sums of
+    # equal times then tie exactly instead of differing in the last bits
+    most = sum(max(st.dt for st in row) for row in steps)
+    tick = 2.0 ** (math.frexp(most)[1] - 52) if most > 0 else 1.0
+    dt = [[math.floor(st.dt / tick) for st in row] for row in steps]
+    # the empty rest: Q = _NO_EVENT, P = 0
+    ends = [_NO_EVENT if u else 0 for u, _v in _WEIGHTS]
+    empty: _Stair = ([], [])
+    table: _Bounds = [[[([e], [0.0])] * 2 for e in ends] for _k in range(n + 1)]
+    nxt = [
+        [(np.array([e], dtype=np.int64), np.zeros(1, dtype=np.int64))] * 2 for e in ends
+    ]
+    for k in reversed(range(n)):
+        row = steps[k]
+        classes = {st.out for st in steps[k - 1]} if k else {0}
+        here = []
+        for w, (u, v) in enumerate(_WEIGHTS):
+            cur = list(nxt[w])
+            table[k][w] = [empty, empty]
+            for prev in classes:
+                rs = [
+                    np.maximum(
+                        u * st.c[prev] + v * st.beta,
+                        u * st.a[prev] + v * st.beta + nxt[w][st.out][0],
+                    )
+                    for st in row
+                ]
+                ts = [nxt[w][st.out][1] + d for st, d in zip(row, dt[k])]
+                r, t = _stair_np(
+                    np.concatenate(rs), np.concatenate(ts), (u + v) * limit
+                )
+                cur[prev] = (r, t)
+                table[k][w][prev] = (r.tolist(), (t * tick).tolist())
+            here.append(cur)
+        nxt = here
+    return table
+
+
+def _lower_bound(
+    tables: list[list[_Stair]], cls: int, x: int, y: int, limit: int
+) -> float:
+    """The fastest any rest (tables of one block) can finish (x, y) within ``limit``."""
+    h = 0.0
+    for (u, v), by_cls in zip(_WEIGHTS, tables):
+        rs, ts = by_cls[cls]
+        i = bisect.bisect_right(rs, u * (limit - y) + v * (limit - x))
+        if not i:
+            return math.inf
+        h = max(h, ts[i - 1])
+    return h
+
+
+def _fastest(
+    model: _Model,
+    steps: list[list[_Step]],
+    exact_dt: list[list[int]],
+    bounds: _Bounds,
+    limit: int,
+    disk_budget: int | None,
+    cut_s: float,
+    beam: int = 0,
+) -> tuple[int, int, tuple[_Step, ...]] | None:
+    """The fastest plan within ``limit`` (raw peak less base) that can beat ``cut_s``:
+    (exact time, x, steps), or None.
+
+    Branch and bound: a partial plan is dropped when its time plus the lower bound on
+    any rest (``_bounds``) exceeds ``cut_s``, or when another is at least as good in
+    exact time, x, y (and disk bytes, where the disk budget can bind). With ``beam``,
+    only that many partial plans with the smallest such sums go on per key: a quick
+    dive for a good feasible plan, not an exact search."""
+    use_disk = _disk_binds(steps, disk_budget)
+    cut = cut_s * (1 + _TIME_SLOP)
+    assert _WEIGHTS == ((1, 0), (0, 1))  # the loop below reads Q's table, then P's
+    # state: (exact time, x, y, z, time, time + bound, choices as a linked list)
+    start = (0, model.opt_temp, 0, 0, 0.0, 0.0, None)
+    frontier: dict[int, list[tuple]] = {0: [start]}
+    for k, row in enumerate(steps):
+        new: dict[int, list[tuple]] = {}
+        tq, tp = bounds[k + 1]
+        for prev, states in frontier.items():
+            for st, dte in zip(row, exact_dt[k]):
+                a, c, beta, dz, dt = st.a[prev], st.c[prev], st.beta, st.dz, st.dt
+                (qr, qt), (pr, pt) = tq[st.out], tp[st.out]
+                bucket = new.setdefault(st.out, [])
+                for te, x, y, z, t, _f, ch in states:
+                    x2 = x + beta if x + beta > y + c else y + c
+                    j = bisect.bisect_right(pr, limit - x2)
+                    if not j:
+                        continue
+                    y2 = y + a
+                    i = bisect.bisect_right(qr, limit - y2)
+                    if not i:
+                        continue
+                    t2 = t + dt
+                    h = qt[i - 1]
+                    if pt[j - 1] > h:
+                        h = pt[j - 1]
+                    if t2 + h > cut:
+                        continue
+                    if use_disk and z + dz > disk_budget:
+                        continue
+                    bucket.append((te + dte, x2, y2, z + dz, t2, t2 + h, (st, ch)))
+        frontier = {}
+        for key, states in new.items():
+            if use_disk:
+                states.sort(key=lambda s: (s[0], s[3], s[1], s[2]))
+                kept: list[tuple] = []
+                for s in states:
+                    if not any(
+                        q[3] <= s[3] and q[1] <= s[1] and q[2] <= s[2] for q in kept
+                    ):
+                        kept.append(s)
+            else:
+                states.sort(key=lambda s: (s[0], s[1], s[2]))
+                kept = _staircase(states, 1, 2)
+            if beam and len(kept) > beam:
+                kept = sorted(kept, key=lambda s: s[5])[:beam]
+            if kept:
+                frontier[key] = kept
+        if not frontier:
+            return None
+    te, x, _y, _z, _t, _f, ch = min(
+        (s for states in frontier.values() for s in states), key=lambda s: s[:2]
+    )
+    return te, x, _unlink(ch)
+
+
+_DIVE_CLOSE = 0.05
+"""Where the dive's plan is within this (relative) of the lower bound, its time is the
+cut of the exact search; otherwise the cuts ``_GAPS`` below it come first."""
+
+_GAPS = (0.01, 0.03, 0.1, 0.3)
+"""Time cuts above a setting's lower bound (relative), tried in turn."""
+
+
+def _exact_times(tables: list[list[list[_Step]]]) -> list[list[list[int]]]:
+    """Every step's time as an integer multiple of one power of two: sums of these are
+    exact, so plans that differ only in the order of the same times tie exactly."""
+    ratios = [[[st.dt.as_integer_ratio() for st in row] for row in t] for t in tables]
+    den = max(d for t in ratios for row in t for _n, d in row)
+    return [[[num * (den // d) for num, d in row] for row in t] for t in ratios]
 
 
 # --------------------------------------------------------------------------- entry
@@ -547,22 +759,92 @@ def _best(
     max_microbatches: int,
     use_time: bool,
 ) -> tuple[_Model, tuple[str, ...], int, float] | None:
-    """The fastest plan under ``raw_budget`` (or the smallest-peak plan)."""
+    """The fastest plan under ``raw_budget`` (or the smallest-peak plan):
+    (model, choices, raw peak, time), or None."""
+    groups = _groups(profile, microbatching, max_microbatches, disk_budget > 0)
+    models = {(m.m, m.c): m for _fixed, ms, _steps in groups for m in ms}
+
+    def plan_of(
+        m: int, chosen: tuple[_Step, ...]
+    ) -> tuple[_Model, tuple[str, ...], float]:
+        model = models[(m, chosen[-1].chunks)]
+        choices = tuple(st.cur for st in chosen)
+        return model, choices, _time_of(model, choices)
+
+    if not use_time:
+        best = None
+        for _fixed, (m0, *_), steps in groups:
+            found = _smallest(m0, steps, disk_budget)
+            if found and (best is None or found[:2] < best[2:]):
+                model, choices, _t = plan_of(m0.m, found[2])
+                best = (model, choices, found[0], found[1])
+        return best
+    assert raw_budget is not None
+    if profile.construction_peak_bytes > raw_budget:
+        return None
+    exact = _exact_times([steps for _f, _m, steps in groups])
+    # settings by the fastest they could be with no budget, a bound that costs nothing;
+    # the bound from ``_bounds`` is computed only for those that could beat the best
+    free = [sum(min(st.dt for st in row) for row in steps) for _f, _m, steps in groups]
     best = None
-    best_key: tuple[float, float] | None = None
-    for m, c, fixed in _settings(
-        profile, microbatching, max_microbatches, disk_budget > 0
-    ):
-        model = _Model(profile, m, c)
-        for raw, t, _z, choices in _search(
-            model, fixed, raw_budget, disk_budget, use_time
-        ):
-            if raw_budget is not None and raw > raw_budget:
-                continue
-            key = (t, raw) if use_time else (raw, t)
-            if best_key is None or key < best_key:
-                best, best_key = (model, choices, raw, t), key
+    best_key: tuple[int, int] | None = None  # (exact time, raw)
+    best_s = math.inf
+    for i in sorted(range(len(groups)), key=lambda i: free[i]):
+        if free[i] > best_s * (1 + _TIME_SLOP):
+            break
+        _fixed, (m0, *_), steps = groups[i]
+        limit = raw_budget - m0.base
+        bounds = _bounds(steps, limit)
+        lb = _lower_bound(bounds[0], 0, m0.opt_temp, 0, limit)
+        if lb > best_s * (1 + _TIME_SLOP):
+            continue
+        # a quick dive for a feasible plan, then exact searches under cuts: the first
+        # that finds a plan has found this setting's best. Tight cuts keep the Pareto
+        # sets small, so cuts grow from the lower bound unless the dive is close to it
+        dive = _fastest(m0, steps, exact[i], bounds, limit, disk_budget, best_s, 16)
+        top = best_s if dive is None else min(best_s, plan_of(m0.m, dive[2])[2])
+        if top <= lb * (1 + _DIVE_CLOSE):
+            cuts = [top]
+        else:
+            cuts = [lb * (1 + gap) for gap in _GAPS if lb * (1 + gap) < top]
+            cuts.append(top)
+        found = None
+        for cut in cuts:
+            found = _fastest(m0, steps, exact[i], bounds, limit, disk_budget, cut)
+            if found is not None:
+                break
+        if found is None:
+            continue
+        te, x, chosen = found
+        raw = max(m0.base + x, profile.construction_peak_bytes)
+        if best_key is None or (te, raw) < best_key:
+            model, choices, best_s = plan_of(m0.m, chosen)
+            best, best_key = (model, choices, raw, best_s), (te, raw)
     return best
+
+
+def _time_of(model: _Model, choices: Sequence[str]) -> float:
+    return sum(model.time(k, ch) for k, ch in enumerate(choices))
+
+
+def _groups(
+    profile: Profile, microbatching: bool, max_microbatches: int, disk_ok: bool
+) -> list[tuple[dict[int, tuple[str, ...]], list[_Model], list[list[_Step]]]]:
+    """The settings, with those that differ only in loss chunks merged into one search:
+    the chunk count changes only the last block, so its options for every count
+    become options of one chain (each ``_Step`` knows its count)."""
+    cache: dict[tuple, list[_Step]] = {}
+    by_key: dict[tuple, tuple[dict, list[_Model], list[list[_Step]]]] = {}
+    for m, c, fixed in _settings(profile, microbatching, max_microbatches, disk_ok):
+        model = _Model(profile, m, c)
+        steps = _steps(model, fixed, cache)
+        key = (m, tuple(sorted(fixed.items())))
+        if key not in by_key:
+            by_key[key] = (fixed, [model], steps[:-1] + [list(steps[-1])])
+        else:
+            by_key[key][1].append(model)
+            by_key[key][2][-1].extend(steps[-1])
+    return list(by_key.values())
 
 
 def _as_memory_plan(
@@ -715,7 +997,7 @@ def _dominant(model: _Model, choices: Sequence[str], pred: Prediction) -> str:
     if what == "activations":
         return f"activations kept for backward ({size})"
     if what == "base":
-        return f"the batch and buffers ({size})"
+        return f"the batch, buffers and torch's fixed runtime cost ({size})"
     block = pred.peak_event.split(" of ", 1)[-1]
     if block == names[-1]:
         return (

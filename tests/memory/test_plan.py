@@ -132,13 +132,64 @@ def test_no_microbatching_for_batch_dependent_models_unless_allowed():
     assert plan.predicted_peak_bytes <= lo_any
 
 
-def test_128_blocks_smallest_and_tight_budgets_are_fast():
+def every_plan(profile):
+    """(raw peak, time, disk) of every plan, enumerated once."""
+    n = len(profile.blocks)
+    out = []
+    for m in profile.microbatch_options:
+        cs = [1] + sorted(c for (mm, c) in profile.blocks[-1].chunk_costs if mm == m)
+        for c in cs:
+            model = P._Model(profile, m, c)
+            for choices in itertools.product(*(model.options(k) for k in range(n))):
+                raw = max(e[1] for e in P._events(model, choices))
+                disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
+                t = sum(model.time(k, ch) for k, ch in enumerate(choices))
+                out.append((raw, t, disk))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_equals_brute_force_on_six_blocks_and_a_budget_grid(seed):
+    # loss chunks merged into one search, branch and bound: budgets from the
+    # smallest to plain's, with and without a disk budget that binds
+    prof = random_profile(6, 40 + seed, chunks=(2, 4), tied=seed % 2 == 0)
+    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 6)
+    plans = every_plan(prof)
+    for disk in [BIG_DISK, 60 * 2**20]:
+        lo = P._slack(min(raw for raw, _t, d in plans if d <= disk))
+        assert P.min_budget_bytes(prof, disk_budget_bytes=disk) == lo
+        for i in range(7):
+            budget = lo + (plain.peak_bytes - lo) * i // 6
+            raw_budget = P._unslack(budget)
+            want = min(t for raw, t, d in plans if raw <= raw_budget and d <= disk)
+            plan = P.plan_memory(prof, budget, disk_budget_bytes=disk, batch_size=4)
+            assert P.predict(prof, plan).peak_bytes <= budget
+            assert plan.predicted_disk_bytes <= disk
+            assert plan.predicted_step_s == pytest.approx(want, rel=1e-12)
+
+
+def test_128_blocks_plan_fast_at_every_budget():
+    """Issue 3: 100+ blocks in under a second. The bound here is 2 s per call so that
+    a loaded CI machine passes; the timings are printed (``-s``), see docs/memory.md."""
     prof = gpt_like_profile(126)
     t0 = time.perf_counter()
     lo = P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK)
-    assert time.perf_counter() - t0 < 1.0
-    t0 = time.perf_counter()
-    plan = P.plan_memory(prof, int(lo * 1.3), disk_budget_bytes=BIG_DISK, batch_size=4)
-    assert time.perf_counter() - t0 < 10.0  # the target is 1 s: see docs/memory.md
-    assert plan.predicted_peak_bytes <= int(lo * 1.3)
-    assert sum(b.state == "stream" for b in plan.blocks) > 32
+    timings = {"min_budget_bytes": time.perf_counter() - t0}
+    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 128)
+    budgets = {
+        "minimum": lo,
+        "1.5 x minimum": int(lo * 1.5),
+        "8.8 x minimum": int(lo * 8.8),
+        "half-way to plain": (lo + plain.peak_bytes) // 2,
+        "plain's peak": plain.peak_bytes,
+        "None": None,
+    }
+    for name, budget in budgets.items():
+        t0 = time.perf_counter()
+        plan = P.plan_memory(prof, budget, disk_budget_bytes=BIG_DISK, batch_size=4)
+        timings[name] = time.perf_counter() - t0
+        if budget is not None:
+            assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes == lo  # None: the smallest plan
+    print({name: round(s, 3) for name, s in timings.items()})
+    assert max(timings.values()) < 2.0, timings
