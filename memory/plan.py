@@ -705,6 +705,12 @@ def _settings(
         for c in cs:
             for combo in itertools.product(owner_opts, repeat=len(owners)):
                 fixed: dict[int, tuple[str, ...]] = dict(zip(owners, combo))
+                # The executor streams a tied parameter only with every block using
+                # it (docs/executor.md): a streamed owner's borrowers stream too.
+                for k, b in enumerate(profile.blocks):
+                    lenders = [profile.blocks.index(o) for o in _owners(profile, b)]
+                    if any(fixed.get(o) == (STREAM,) for o in lenders):
+                        fixed[k] = (STREAM,)
                 if not disk_ok:
                     for k in range(len(profile.blocks)):
                         fixed.setdefault(k, resident_opts)

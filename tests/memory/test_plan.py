@@ -15,6 +15,17 @@ from memory.spec import MemoryPlan
 BIG_DISK = 10**13
 
 
+def tied_ok(profile, choices):
+    """The executor's rule: a streamed owner of a tied parameter streams its users."""
+    names = [b.name for b in profile.blocks]
+    for k, b in enumerate(profile.blocks):
+        for owner in b.shared_with:
+            if owner in names and choices[names.index(owner)] == P.STREAM:
+                if choices[k] != P.STREAM:
+                    return False
+    return True
+
+
 def brute_force(profile, raw_budget, disk_budget, microbatching=True):
     """(time, raw peak) of the fastest plan by enumerating every plan."""
     best = None
@@ -24,6 +35,8 @@ def brute_force(profile, raw_budget, disk_budget, microbatching=True):
         for c in cs:
             model = P._Model(profile, m, c)
             for choices in itertools.product(*(model.options(k) for k in range(n))):
+                if not tied_ok(profile, choices):
+                    continue
                 raw = max(e[1] for e in P._events(model, choices))
                 disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
                 if raw_budget is not None and raw > raw_budget or disk > disk_budget:
@@ -141,6 +154,8 @@ def every_plan(profile):
         for c in cs:
             model = P._Model(profile, m, c)
             for choices in itertools.product(*(model.options(k) for k in range(n))):
+                if not tied_ok(profile, choices):
+                    continue
                 raw = max(e[1] for e in P._events(model, choices))
                 disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
                 t = sum(model.time(k, ch) for k, ch in enumerate(choices))
