@@ -176,8 +176,13 @@ class _Model:
                 + ch.saves_output * ch.output_bytes
                 + ch.backward_peak_bytes,
             )
-            # the input gradient is assembled whole; the head's gradients accumulate
-            local = c.input_bytes + rerun + b.grad_bytes
+            # The input gradient is assembled whole and the head's gradients
+            # accumulate, a borrowed (tied) one included; from the second chunk on,
+            # autograd computes each chunk's parameter gradients into fresh tensors
+            # before adding them, so one more copy of them is alive.
+            borrowed_grad = b.shared_param_bytes if shared else 0
+            temp = b.grad_bytes + b.shared_param_bytes
+            local = c.input_bytes + rerun + b.grad_bytes + borrowed_grad + temp
         elif cur == KEEP:
             local = c.backward_peak_bytes
         elif cur == OFFLOAD:
