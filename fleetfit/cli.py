@@ -27,9 +27,21 @@ def _setup_logging(verbose: bool) -> None:
 
 def _commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     # One module per command group, each with ``add(subparsers)``.
-    from fleetfit import cmd_federation, cmd_memory, cmd_partition, cmd_simulate
+    from fleetfit import (
+        cmd_export,
+        cmd_federation,
+        cmd_memory,
+        cmd_partition,
+        cmd_simulate,
+    )
 
-    return [cmd_simulate.add, cmd_memory.add, cmd_partition.add, cmd_federation.add]
+    return [
+        cmd_simulate.add,
+        cmd_memory.add,
+        cmd_partition.add,
+        cmd_federation.add,
+        cmd_export.add,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

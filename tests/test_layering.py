@@ -26,6 +26,18 @@ FORBIDDEN = {
         "fleetfit",
         "workloads",
     },
+    # torch-free: the runtime of devices too small to import torch
+    "onnxrun": {
+        "torch",
+        "flwr",
+        "workloads",
+        "memory",
+        "partition",
+        "client",
+        "server",
+        "simulations",
+        "fleetfit",
+    },
     "partition": {"flwr", "client", "server", "simulations", "fleetfit"},
     "client": {"simulations", "fleetfit"},
     "server": {"simulations", "fleetfit", "client"},

@@ -209,6 +209,23 @@ class Workload:
             metrics["perplexity"] = math.exp(min(loss, 50.0))
         return metrics
 
+    def eval_arrays(
+        self, items: data_mod.Items | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What ``evaluate`` runs on, as numpy arrays ``(inputs, targets)``.
+
+        Images: ``(N, ...)`` float32 and their classes; language models: the first
+        ``EVAL_MAX_ITEMS`` windows of ``seq_len`` token ids (int64) and the next tokens.
+        For runtimes without torch (``onnxrun``).
+        """
+        items = self.items(train=False) if items is None else items
+        batches = list(self._eval_batches(items))
+        x = torch.cat([b[0] for b in batches]) if batches else items.inputs[:0]
+        y = torch.cat([b[1] for b in batches]) if batches else torch.zeros(0)
+        if self.kind == "lm":
+            x, y = x.long(), y.long()
+        return x.numpy().copy(), y.numpy().copy()
+
     def _eval_batches(self, items: data_mod.Items, size: int = 64) -> Iterator[Batch]:
         if self.dataset == "example":
             assert items.targets is not None
