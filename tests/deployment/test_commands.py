@@ -102,6 +102,30 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
             assert a["kind"] == "full" and a["peak_method"] == "child"
             assert 0 < a["measured_peak_bytes"] <= a["budget_bytes"], a
             assert a["message_bytes"] > 100_000
+        # The surviving devices restart too (Flower SuperNodes give up on a dead
+        # SuperLink); they come back with new node ids and are queried again.
+        for c in clients[:2]:
+            os.killpg(c.pid, signal.SIGTERM)
+            c.wait(timeout=60)
+        for i, b in enumerate(budgets[:2]):
+            procs.start(
+                f"client{i}-again",
+                [
+                    *FLEETFIT,
+                    "client",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--memory-budget",
+                    b,
+                    "--disk-budget",
+                    "0",
+                    "--partition-id",
+                    str(i),
+                    "--num-partitions",
+                    "3",
+                ],
+                env(),
+            )
         resumed = procs.start(
             "server-resumed",
             [
