@@ -41,6 +41,7 @@ from client.config import (
     free_disk_bytes,
     total_memory_bytes,
 )
+from client.ort_eval import evaluate_only
 from client.train import draw_batches, train_assigned
 from memory.profile import measure_flops_per_s
 from memory.spec import MemoryPlan
@@ -132,6 +133,10 @@ def train(msg: Message, context: Context) -> Message:
             }
         )
         report["reason"] = ins.reason
+        if ins.eval_runtime == "onnxruntime":  # evaluate the round's model, torch-free
+            eval_metrics, eval_report = evaluate_only(msg.content, node, ins)
+            metrics.update(eval_metrics)
+            report.update(eval_report)
         return Message(
             RecordDict({protocol.METRICS: metrics, protocol.REPORT: report}),
             reply_to=msg,

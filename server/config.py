@@ -43,6 +43,14 @@ class ServerConfig:
     #   partition id (simulation; a node's own memory-budget wins)
     fleet_disk_budgets: str = ""  # [fleet-disk-budgets] same, for disk
     fleet_speeds: str = ""  # [fleet-speeds] same, factors on the measured speed
+    eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
+    #   the server's central evaluation (onnxruntime: the exported model, in process)
+    eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
+    #   for any training evaluate the round's model (ONNX) on their data in a
+    #   torch-free process, or (off) only reply that nothing fits
+    export_onnx: str = "end"  # [export-onnx] end | every-round | off: write
+    #   model.onnx and export.json to the run folder
+    export_quantize: bool = False  # [export-quantize] also model.int8.onnx
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
@@ -98,6 +106,12 @@ class ServerConfig:
             raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
         if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
+        if self.eval_runtime not in ("torch", "onnxruntime"):
+            raise bad("eval-runtime", self.eval_runtime, "torch or onnxruntime")
+        if self.eval_only not in ("onnxruntime", "off"):
+            raise bad("eval-only", self.eval_only, "onnxruntime or off")
+        if self.export_onnx not in ("end", "every-round", "off"):
+            raise bad("export-onnx", self.export_onnx, "end, every-round or off")
         if self.client_measure not in ("auto", "child", "inline"):
             raise bad("client-measure", self.client_measure, "auto, child or inline")
         try:

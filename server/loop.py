@@ -19,6 +19,7 @@ from server import persist, protocol
 from server.aggregate import Update, accept_updates, weighted_average
 from server.assign import Assigner, Assignment, trained_keys
 from server.config import ServerConfig
+from server.onnx_rounds import OnnxRounds
 from workloads import get_workload
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Federation:
         )
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)
+        self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self.nodes: dict[int, dict[str, Any]] = {}  # node id -> facts (query reply)
         self.assigner = Assigner(
             self.workload,
@@ -161,8 +163,13 @@ class Federation:
         for node_id in sampled:
             a = self.assigner.assign(self.nodes.get(node_id, {}), server_round)
             assignments[node_id] = a
-            arrays = full_arrays if a.kind != "none" else ArrayRecord()
-            instructions[node_id] = (arrays, self._instruction(a, server_round))
+            config = self._instruction(a, server_round)
+            arrays = (
+                full_arrays
+                if a.kind != "none"
+                else self.onnx.eval_only_arrays(self.model, server_round, config)
+            )
+            instructions[node_id] = (arrays, config)
             log.info(
                 "round %d: node %s (budget %s) gets %s, %d steps",
                 server_round,
@@ -186,7 +193,7 @@ class Federation:
             )
             log.warning(msg)
             errors.append(msg)
-        metrics = self.workload.evaluate(self.model)
+        metrics = self.onnx.central_metrics(self.model)
         ok = {u.node_id for u in accepted}
         for u, reason in rejected:
             reports[u.node_id]["status"] = f"rejected: {reason}"
@@ -208,10 +215,12 @@ class Federation:
         }
         if "perplexity" in metrics:
             record["perplexity"] = metrics["perplexity"]
+        self.onnx.add_federated_eval(record, reports)
         if errors:
             record["errors"] = errors
         self.summary["rounds"].append(record)
         self._save(server_round)
+        self.onnx.after_round(self.model, server_round)
         log.info(
             "round %d: accuracy %.4f loss %.4f from %d/%d clients (%.1f s)",
             server_round,
@@ -302,6 +311,7 @@ class Federation:
                 reports[node_id] = rec
                 if a.kind == "none":
                     rec["status"] = "none"
+                    rec.update(self.onnx.eval_report(metrics, report))
                     continue
                 arrays = _one(content.array_records, protocol.ARRAYS, "ArrayRecord")
                 if rec["message_bytes"] is None:  # a plain client: what was sent

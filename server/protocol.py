@@ -33,6 +33,12 @@ BASELINE_BYTES = "baseline-bytes"  # RSS after imports (child) or before the wor
 MESSAGE_BYTES = "message-bytes"  # bytes of the instruction Flower handed the client
 STEPS_DONE = "local-steps-done"
 MIN_BUDGET_BYTES = "min-budget-bytes"
+# evaluation-only nodes (kind none, eval-runtime onnxruntime): their own data, in ORT
+EVAL_LOSS = "eval-loss"
+EVAL_ACCURACY = "eval-acc"
+EVAL_NUM_EXAMPLES = "eval-num-examples"
+EVAL_S = "eval-s"
+ONNX_MODEL = "model.onnx"  # key of the ONNX file's bytes (uint8) in ``arrays``
 
 BUDGET_BYTES = "budget-bytes"
 DISK_BUDGET_BYTES = "disk-budget-bytes"
@@ -85,6 +91,8 @@ class TrainInstruction:
     #   when the node was given a budget, inline when it measured its own
     min_budget_bytes: int = 0  # none: the smallest budget that would get a part
     reason: str = ""  # none: why, in words
+    eval_runtime: str = ""  # none: "onnxruntime": evaluate the ONNX model sent in
+    #   arrays[ONNX_MODEL] on the node's data, in a torch-free process
 
     def to_config(self) -> dict[str, Any]:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}
@@ -109,6 +117,10 @@ class TrainInstruction:
         ins = cls(**values)
         if ins.kind not in KINDS:
             raise ValueError(f"train instruction kind={ins.kind!r}: one of {KINDS}")
+        if ins.eval_runtime not in ("", "onnxruntime"):
+            raise ValueError(
+                f"train instruction eval-runtime={ins.eval_runtime!r}: '' or onnxruntime"
+            )
         if ins.measure not in MEASURES:
             raise ValueError(
                 f"train instruction measure={ins.measure!r}: one of {MEASURES}"
