@@ -3,6 +3,11 @@
 Example:
     >>> from simulations.run import SimulationSettings, simulate
     >>> summary = simulate(SimulationSettings(num_clients=10, rounds=5, out="runs/demo"))
+
+A fleet with its own budgets (entry ``partition-id mod count``; see
+docs/federation.md): each client's peak is then measured in a child process.
+
+    >>> simulate(SimulationSettings(num_clients=3, memory_budgets=("1GB", "200MB")))
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ class SimulationSettings:
     cpus_per_client: float = 1.0  # Ray resources per client actor
     batch_size: int = 0  # 0: the workload's default
     seq_len: int = 0  # 0: the workload's default
+    memory_budgets: tuple[str, ...] = ()  # sizes ("512MB") by partition id, entry
+    #   partition-id mod count [fleet-memory-budgets]; (): each node uses 50% of the
+    #   memory it measures
+    disk_budgets: tuple[str, ...] = ()  # same, for offload and streaming ("0": none)
+    #   [fleet-disk-budgets]
+    client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
+    #   measures peaks in a child process for nodes given a budget
 
     def server_config(self) -> ServerConfig:
         cfg = ServerConfig(
@@ -51,6 +63,9 @@ class SimulationSettings:
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             out=self.out,
+            client_measure=self.client_measure,
+            fleet_memory_budgets=_fleet_list("memory_budgets", self.memory_budgets),
+            fleet_disk_budgets=_fleet_list("disk_budgets", self.disk_budgets),
         )
         cfg.validate()
         return cfg
@@ -62,6 +77,18 @@ class SimulationSettings:
         if not self.cpus_per_client > 0:
             raise ValueError(f"cpus_per_client={self.cpus_per_client} must be > 0")
         cfg = self.server_config()
+        for name, spec in (
+            ("memory_budgets", self.memory_budgets),
+            ("disk_budgets", self.disk_budgets),
+        ):
+            if len(spec) > self.num_clients:
+                log.warning(
+                    "%s has %d entries for %d clients: entries from %d on are unused",
+                    name,
+                    len(spec),
+                    self.num_clients,
+                    self.num_clients,
+                )
         wl = get_workload(
             self.workload,
             batch_size=self.batch_size or None,
@@ -72,6 +99,22 @@ class SimulationSettings:
             0, self.num_clients, self.split, seed=self.seed, alpha=self.dirichlet_alpha
         )
         return cfg
+
+
+def _fleet_list(name: str, sizes: tuple[str, ...]) -> str:
+    """The comma-separated run-config value of a per-partition list of sizes."""
+    if isinstance(sizes, str):
+        raise ValueError(
+            f"{name}={sizes!r} must be a tuple of sizes, one per partition, "
+            f"e.g. ({sizes!r},)"
+        )
+    for size in sizes:
+        if not isinstance(size, str) or "," in size or not size.strip():
+            raise ValueError(
+                f"{name} entry {size!r} must be one size such as '512MB' "
+                "(give a tuple of strings, one per partition)"
+            )
+    return ",".join(s.strip() for s in sizes)
 
 
 def simulate(settings: SimulationSettings) -> dict[str, Any]:
