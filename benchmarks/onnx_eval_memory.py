@@ -29,6 +29,7 @@ import tempfile
 
 import numpy as np
 
+from onnxrun.evaluate import EVAL_BATCH, LOGITS_BYTES
 from onnxrun.measure import MALLOC_MMAP_THRESHOLD, evaluate_in_child
 from server.export import export_onnx
 from server.persist import save_model
@@ -46,7 +47,7 @@ def status(key):
 import numpy as np, torch, torch.nn.functional as F
 from safetensors.torch import load_file
 from workloads import get_workload
-name, batch, seq, weights, xp, yp, out = sys.argv[1:]
+name, batch, seq, weights, xp, yp, out, size = sys.argv[1:]
 base = status("VmRSS")
 t0 = time.perf_counter()
 wl = get_workload(name, batch_size=int(batch) or None, seq_len=int(seq) or None)
@@ -54,7 +55,7 @@ model = wl.make_model(0)
 model.load_state_dict(load_file(weights))
 model.eval()
 x, y = np.load(xp, mmap_mode="r"), np.load(yp, mmap_mode="r")
-size = 64 if wl.kind == "lm" else 256
+size = int(size)  # examples per call: the same as the ORT process
 total = correct = count = 0.0
 with torch.no_grad():
     for s in range(0, len(x), size):
@@ -68,7 +69,9 @@ json.dump({"baseline_bytes": base, "peak_bytes": hwm - base, "hwm_bytes": hwm,
 """
 
 
-def torch_child(name: str, b: int, t: int, weights: str, xp: str, yp: str) -> dict:
+def torch_child(
+    name: str, b: int, t: int, weights: str, xp: str, yp: str, size: int
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "a.json")
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD))
@@ -84,6 +87,7 @@ def torch_child(name: str, b: int, t: int, weights: str, xp: str, yp: str) -> di
             xp,
             yp,
             out,
+            str(size),
         ]
         subprocess.run(cmd, env=env, check=True)
         with open(out) as f:
@@ -133,7 +137,11 @@ def main() -> None:
                         m.metrics["accuracy"],
                     )
                 )
-            tc = torch_child(name, b, t, st, xp, yp)
+            size = EVAL_BATCH[wl.kind]
+            if wl.kind == "lm":  # the ORT process's cap on one call's logits
+                vocab = wl.make_config().vocab_size
+                size = max(1, min(size, LOGITS_BYTES // (4 * y.shape[1] * vocab)))
+            tc = torch_child(name, b, t, st, xp, yp, size)
             rows.append(
                 (
                     "torch",

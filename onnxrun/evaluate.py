@@ -29,6 +29,8 @@ import onnxruntime as ort
 
 KINDS = ("image", "lm")
 EVAL_BATCH = {"image": 256, "lm": 64}  # examples per ORT call (as Workload.evaluate)
+LOGITS_BYTES = 64 * 2**20  # at most this much fp32 logits per call (LM vocabularies)
+CE_ROWS = 1024  # rows of logits per float64 cross-entropy chunk
 
 
 def make_session(path: str, *, low_memory: bool = True) -> ort.InferenceSession:
@@ -56,13 +58,17 @@ def run_logits(session: ort.InferenceSession, inputs: np.ndarray) -> np.ndarray:
 def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:
     """Sum of the cross-entropy of ``logits`` (..., classes) against ``targets`` (...),
     and the number of correct argmax predictions (float64 log-sum-exp)."""
-    z = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
-    t = targets.reshape(-1).astype(np.int64)
-    zmax = z.max(axis=1, keepdims=True)
-    lse = np.log(np.exp(z - zmax).sum(axis=1)) + zmax[:, 0]
-    nll = lse - z[np.arange(len(t)), t]
-    correct = int((z.argmax(axis=1) == t).sum())
-    return float(nll.sum()), correct
+    flat = logits.reshape(-1, logits.shape[-1])
+    tgt = targets.reshape(-1).astype(np.int64)
+    total, correct = 0.0, 0
+    for s in range(0, len(tgt), CE_ROWS):  # chunks: a float64 copy of a few MB only
+        z = flat[s : s + CE_ROWS].astype(np.float64)
+        t = tgt[s : s + CE_ROWS]
+        zmax = z.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(z - zmax).sum(axis=1)) + zmax[:, 0]
+        total += float((lse - z[np.arange(len(t)), t]).sum())
+        correct += int((z.argmax(axis=1) == t).sum())
+    return total, correct
 
 
 def evaluate_arrays(
@@ -78,13 +84,19 @@ def evaluate_arrays(
         inputs: images (N, ...) float32, or token ids (N, T) int64.
         targets: classes (N,), or next tokens (N, T).
         kind: ``image`` (a classifier) or ``lm`` (next-token logits).
-        batch_size: examples per call; the default follows ``Workload.evaluate``.
+        batch_size: examples per call; the default follows ``Workload.evaluate``,
+            capped so that one call's logits stay within ``LOGITS_BYTES``.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: ONNX evaluation knows {', '.join(KINDS)}")
     if len(inputs) != len(targets):
         raise ValueError(f"{len(inputs)} inputs but {len(targets)} targets")
     size = batch_size or EVAL_BATCH[kind]
+    if batch_size is None:
+        per_example = 4 * int(np.prod(targets.shape[1:], dtype=np.int64))
+        vocab = session.get_outputs()[0].shape[-1]
+        if isinstance(vocab, int):
+            size = max(1, min(size, LOGITS_BYTES // max(1, per_example * vocab)))
     total, correct, count = 0.0, 0, 0
     for s in range(0, len(inputs), size):
         logits = run_logits(session, np.ascontiguousarray(inputs[s : s + size]))
