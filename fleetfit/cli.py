@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 log = logging.getLogger("fleetfit")
 
@@ -64,19 +65,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted: stopping what this command started", file=sys.stderr)
-        _stop_ray()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Flower's in-process ServerApp runs in a non-daemon thread that may be waiting
-        # for replies that will never come; exit without joining it.
-        os._exit(130)
+        interrupted()
     except (ValueError, FileNotFoundError, TimeoutError) as e:
         # Bad input and clear failures: one line naming the value and the fix.
         print(f"fleetfit: error: {e}", file=sys.stderr)
         return 2
     finally:
         _stop_ray()
+
+
+def interrupted(*_: object) -> NoReturn:
+    """Stop what this command started (Ray) and exit 130, without joining threads.
+
+    Also installed as the SIGINT handler of commands whose main thread may be inside
+    Flower's simulation engine: its worker pool joins threads that wait for replies
+    that will never come, so a KeyboardInterrupt raised there would not end the run.
+    """
+    print("interrupted: stopping what this command started", file=sys.stderr)
+    _stop_ray()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _stop_ray() -> None:

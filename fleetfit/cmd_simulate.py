@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -107,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         f"{args.rounds} rounds -> {out}",
         file=sys.stderr,
     )
+    from fleetfit.cli import interrupted
+
+    signal.signal(signal.SIGINT, interrupted)
     summary = simulate(settings)
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
