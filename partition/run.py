@@ -26,7 +26,6 @@ from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
 from workloads import Workload, get_workload
-from workloads.registry import child_env
 
 
 def save_batches(
@@ -215,7 +214,6 @@ def measured_run(
         m = measure_in_child(
             "partition.run:train_workload",
             kwargs,
-            env=child_env(),
             timeout_s=timeout_s,
         )
     return m, m.result
