@@ -89,10 +89,71 @@ def interrupted(*_: object) -> NoReturn:
 
 
 def _stop_ray() -> None:
-    """Stop a Ray runtime this process started (also after Ctrl-C or an error)."""
+    """Stop a Ray runtime this process started (also after Ctrl-C or an error).
+
+    ``ray.shutdown()`` asks Ray's head processes to stop; raylet workers that were busy
+    in a task can outlive it for a while, orphaned. Whatever this process started and
+    is still alive a moment later is terminated, then killed.
+    """
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is None or not ray.is_initialized():
+        return
+    started = _descendants(os.getpid())
+    try:
         ray.shutdown()
+    finally:
+        _terminate(started)
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (read from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: fields follow the last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _terminate(pids: set[int], grace_s: float = 3.0) -> None:
+    """SIGTERM ``pids``, wait up to ``grace_s`` for them to go, SIGKILL the rest."""
+    import signal
+    import time
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [p for p in pids if alive(p)]:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 if __name__ == "__main__":
