@@ -38,6 +38,7 @@ from client.config import (
     FLEET_SPEEDS,
     NodeConfig,
     available_memory_bytes,
+    check_workload_allowed,
     free_disk_bytes,
     total_memory_bytes,
 )
@@ -121,6 +122,7 @@ def train(msg: Message, context: Context) -> Message:
     ins = protocol.TrainInstruction.from_config(
         dict(msg.content.config_records.get(protocol.CONFIG, {}))
     )
+    check_workload_allowed(ins.workload, context.node_config)  # before any import
     report = ConfigRecord({"kind": ins.kind})
     if ins.kind == "none":
         log.warning("no part of the model fits this node: %s", ins.reason)
@@ -151,6 +153,7 @@ def train(msg: Message, context: Context) -> Message:
         node.num_partitions,
         split=ins.split,
         alpha=ins.dirichlet_alpha,
+        classes=ins.class_list,
         seed=ins.seed,
         server_round=ins.server_round,
         local_steps=ins.local_steps,
@@ -201,6 +204,9 @@ def train(msg: Message, context: Context) -> Message:
 @_error_reply
 def evaluate(msg: Message, context: Context) -> Message:
     config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
+    check_workload_allowed(
+        str(config.get("workload", "digits-cnn")), context.node_config
+    )
     workload = get_workload(str(config.get("workload", "digits-cnn")))
     model = workload.make_model(0)
     model.load_state_dict(

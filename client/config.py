@@ -10,13 +10,23 @@ Budgets, in order of precedence:
    nodes nothing but ``partition-id`` and ``num-partitions``);
 3. measured: ``MEMORY_SHARE`` of the memory available now (``MemAvailable``), and
    ``DISK_SHARE`` of the free space in the offload directory.
+
+Workloads: a node imports only the built-in workloads and the ``module:function``
+workloads its operator allows, so that a run config cannot make every device import
+arbitrary code. The allow-list is ``allow-workloads`` in the node config
+(``fleetfit client --allow-workloads``), or, when the node config has no such key, the
+``FLEETFIT_ALLOW_WORKLOADS`` environment variable of the node's process (simulation
+gives virtual nodes no node config of their own): comma-separated entries
+``module:function``, ``module:*`` (any function of that module) or ``*`` (anything).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +41,16 @@ DISK_SHARE = 0.5
 FLEET_MEMORY = "fleet-memory-budgets"
 FLEET_DISK = "fleet-disk-budgets"
 FLEET_SPEEDS = "fleet-speeds"
+ALLOW_WORKLOADS = "allow-workloads"
+"""Node-config key: the ``module:function`` workloads this node may import."""
+ALLOW_WORKLOADS_ENV = "FLEETFIT_ALLOW_WORKLOADS"
+"""Environment variable read when the node config has no ``allow-workloads``."""
+
+_ALLOW_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:([A-Za-z_]\w*|\*)$")
+
+
+class WorkloadNotAllowed(ValueError):
+    """The instruction names a workload this node's operator has not allowed."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +67,8 @@ class NodeConfig:
         offload_dir: where offloaded activations and streamed state go.
         speed_factor: multiplies the measured compute rate (a simulated slow device
             has < 1; ``fleet-speeds``), 1.0 otherwise.
+        allowed_workloads: the ``module:function`` workloads (or ``module:*``, ``*``)
+            this node may import besides the built-ins (``allow-workloads``).
     """
 
     partition_id: int
@@ -56,6 +78,7 @@ class NodeConfig:
     budget_source: str = "measured"
     offload_dir: str = ""
     speed_factor: float = 1.0
+    allowed_workloads: tuple[str, ...] = ()
 
     @classmethod
     def from_node_config(
@@ -119,7 +142,66 @@ class NodeConfig:
                 ) from None
             if not speed > 0:
                 raise ValueError(f"{FLEET_SPEEDS} entry {raw_speed!r} must be > 0")
-        return cls(pid, num, budget, disk, source, offload_dir, speed)
+        allowed = allowed_workloads(node_config)
+        return cls(pid, num, budget, disk, source, offload_dir, speed, allowed)
+
+
+def allowed_workloads(
+    node_config: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """The node's allow-list: ``allow-workloads``, else ``FLEETFIT_ALLOW_WORKLOADS``.
+
+    Raises:
+        ValueError: an entry that is not ``module:function``, ``module:*`` or ``*``.
+    """
+    env = os.environ if env is None else env
+    if ALLOW_WORKLOADS in node_config:
+        raw, where = node_config[ALLOW_WORKLOADS], f"node config {ALLOW_WORKLOADS}"
+    else:
+        raw, where = env.get(ALLOW_WORKLOADS_ENV, ""), ALLOW_WORKLOADS_ENV
+    if not isinstance(raw, str):
+        raise ValueError(
+            f"{where}={raw!r} must be a string of comma-separated module:function "
+            'entries, e.g. allow-workloads="mypkg.jobs:build"'
+        )
+    entries = tuple(e.strip() for e in raw.split(",") if e.strip())
+    for e in entries:
+        if e != "*" and not _ALLOW_ENTRY.match(e):
+            raise ValueError(
+                f"{where} entry {e!r} must be module:function, module:* or *, "
+                'e.g. allow-workloads="mypkg.jobs:build"'
+            )
+    return entries
+
+
+def workload_allowed(name: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a node with allow-list ``allowed`` may load workload ``name``.
+
+    ``get_workload`` imports code only for a ``module:function`` name; any other name
+    is a built-in or an unknown name that it refuses by itself.
+    """
+    if ":" not in name or name in allowed or "*" in allowed:
+        return True
+    module = name.partition(":")[0]
+    return bool(module) and f"{module}:*" in allowed
+
+
+def check_workload_allowed(name: Any, node_config: Mapping[str, Any]) -> None:
+    """Refuse, before anything is imported, a workload the operator has not allowed.
+
+    Raises:
+        WorkloadNotAllowed: naming the workload and the node-config key to set.
+    """
+    allowed = allowed_workloads(node_config)
+    if not isinstance(name, str) or workload_allowed(name, allowed):
+        return  # get_workload refuses a name that is not a string
+    shown = ", ".join(allowed) if allowed else "none"
+    raise WorkloadNotAllowed(
+        f"workload {name!r} is not allowed on this node (built-in workloads and "
+        f"{ALLOW_WORKLOADS}: {shown}); if you trust its code, allow it with "
+        f"--node-config '{ALLOW_WORKLOADS}=\"{name}\"' (fleetfit client "
+        f"--allow-workloads {name}) or {ALLOW_WORKLOADS_ENV}={name}"
+    )
 
 
 def _entry(spec: Any, partition_id: int) -> str | None:

@@ -103,6 +103,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--partition-id", type=int, required=True)
     c.add_argument("--num-partitions", type=positive_int, required=True)
     c.add_argument("--offload-dir", help="where offload and streaming files go")
+    c.add_argument(
+        "--allow-workloads",
+        help="module:function workloads (or module:*) this node may import, "
+        "comma-separated; default: built-in workloads only",
+    )
     c.add_argument("--root-certificates", help="TLS: the CA certificate")
     c.add_argument("--auth-private-key", help="SuperNode authentication key")
     c.set_defaults(func=run_client)
@@ -330,6 +335,11 @@ def run_client(args: argparse.Namespace) -> int:
         node.append(f"disk-budget={_toml_str(args.disk_budget)}")
     if args.offload_dir:
         node.append(f"offload-dir={_toml_str(args.offload_dir)}")
+    if args.allow_workloads is not None:
+        from client.config import ALLOW_WORKLOADS, allowed_workloads
+
+        allowed_workloads({ALLOW_WORKLOADS: args.allow_workloads})  # fails early
+        node.append(f"{ALLOW_WORKLOADS}={_toml_str(args.allow_workloads)}")
     tls = _check_tls([args.root_certificates], "--root-certificates")
     if not tls:
         log.warning(
