@@ -9,12 +9,15 @@ import ipaddress
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from server.persist import load_model
 from tests.deployment.test_loopback import ROOT, Processes, free_port
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
@@ -151,6 +154,74 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
     finally:
         procs.stop()
     assert all(p.poll() is not None for p in procs.procs)
+
+    # The same federation uninterrupted (same devices, device 2 gone after round 1),
+    # in a fresh process like the deployment's ClientApps (same default thread count):
+    # the resumed deployment's model equals it bit for bit.
+    ref = tmp_path / "uninterrupted"
+    done = subprocess.run(
+        [sys.executable, "-c", REFERENCE, str(ref), ",".join(budgets)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref_summary = json.loads((ref / "summary.json").read_text())
+    assert [r["num_clients"] for r in ref_summary["rounds"]] == [3, 2, 2]
+    for a, b in zip(ref_summary["rounds"], summary["rounds"], strict=True):
+        assert (a["accuracy"], a["loss"]) == (b["accuracy"], b["loss"]), (a, b)
+    mine, _ = load_model(out / "model.safetensors")
+    theirs, _ = load_model(ref / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+REFERENCE = """
+import sys
+from tests.deployment.test_commands import uninterrupted
+uninterrupted(sys.argv[1], sys.argv[2].split(","))
+"""
+
+
+def uninterrupted(out: str, budgets: list[str]) -> None:
+    """The deployment test's federation in one process through the real transport:
+    three devices, the third silent from round 2 on, the server never stopped."""
+    from client.app import app as client_app
+    from server.config import ServerConfig
+    from tests.server.grid import FakeGrid
+    from tests.server.test_federation import federate
+
+    class ThirdDiesAfterRound1(FakeGrid):
+        def _deliver(self, msg):
+            md = msg.metadata
+            if md.dst_node_id == 2002 and md.message_type != "query":
+                if md.group_id.isdigit() and int(md.group_id) >= 2:
+                    return None
+            return super()._deliver(msg)
+
+    cfg = ServerConfig(
+        workload="digits-cnn",
+        num_server_rounds=3,
+        min_nodes=3,
+        local_steps=10,
+        round_timeout_s=240.0,
+        out=out,
+        export_onnx="off",
+    )
+    nodes = {
+        2000 + i: (
+            client_app,
+            {
+                "partition-id": i,
+                "num-partitions": 3,
+                "memory-budget": b,
+                "disk-budget": "0",
+            },
+        )
+        for i, b in enumerate(budgets)
+    }
+    federate(cfg, ThirdDiesAfterRound1(nodes))
 
 
 # ------------------------------------------------------------------------ TLS
