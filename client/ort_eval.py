@@ -42,6 +42,7 @@ def evaluate_only(
         ins.split,
         seed=ins.seed,
         alpha=ins.dirichlet_alpha,
+        classes=ins.class_list,
     )
     x, y = workload.eval_arrays(items)
     with tempfile.TemporaryDirectory(prefix="fleetfit-eval-only-") as tmp:

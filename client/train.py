@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,13 +73,14 @@ def draw_batches(
     seed: int,
     server_round: int,
     local_steps: int,
+    classes: Sequence[int] | None = None,
 ) -> tuple[list[Batch], int, int]:
     """This round's batches, the share's item count, and the torch seed of the steps.
 
     The batch order derives from (seed, round, partition), so a rerun draws the same.
     """
     items = workload.client_items(
-        partition_id, num_partitions, split, seed=seed, alpha=alpha
+        partition_id, num_partitions, split, seed=seed, alpha=alpha, classes=classes
     )
     data_seed, torch_seed = np.random.SeedSequence(
         [seed, server_round, partition_id]
@@ -164,6 +166,13 @@ def train_chain(
     plan = replace(
         plan,
         blocks=tuple(replace(bp, name=str(i)) for i, bp in enumerate(plan.blocks)),
+        num_microbatches=short_batch_microbatches(
+            plan.num_microbatches,
+            planned=max(b[0].shape[0] for b in batches),
+            actual=min(b[0].shape[0] for b in batches),
+        )
+        if batches
+        else plan.num_microbatches,
     )
     with LocalExecutor(chain, loss_fn, plan, lr=lr, offload_dir=offload_dir) as ex:
         for inputs, targets in batches:
@@ -175,6 +184,26 @@ def train_chain(
             losses.append(ex.step(x, targets))
         ex.close(restore=True)
     return losses, keys
+
+
+def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
+    """Micro-batches for batches of ``actual`` examples under a plan that cuts
+    ``planned``-example batches into ``m``.
+
+    A client with fewer items than a batch trains short batches (all of one size),
+    which need not split into the plan's ``m`` equal micro-batches; the smallest
+    divisor ``k`` of ``actual`` with ``actual / k <= planned // m`` (at worst ``actual``
+    micro-batches of one example) gives equal micro-batches no larger than the plan's,
+    so its memory bound holds. ``planned`` is the largest batch of the round (the
+    plan's batch or less, which only makes the bound safer).
+    """
+    if m <= 1 or actual % m == 0:
+        return m
+    per = max(1, planned // m)
+    for k in range(1, actual + 1):
+        if actual % k == 0 and actual // k <= per:
+            return k
+    return actual
 
 
 def _load_into(model: nn.Module, arrays_file: str) -> None:

@@ -1,4 +1,9 @@
-"""``fleetfit simulate``: a federation on Flower's simulation engine."""
+"""``fleetfit simulate``: a federation on Flower's simulation engine.
+
+fleetfit simulate                                    # digits CNN, 10 clients, 5 rounds
+fleetfit simulate --fleet phones --strategy exclude  # one strategy on a fleet file
+fleetfit simulate --fleet edge --compare fleetfit,exclude,smallest-model --out runs/e
+"""
 
 from __future__ import annotations
 
@@ -25,19 +30,51 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="built-in workload or module:function (default: digits-cnn)",
     )
     p.add_argument(
-        "--clients",
-        type=positive_int,
-        default=10,
-        help="virtual clients (default: 10)",
+        "--fleet",
+        default=None,
+        help="a fleet file (TOML) or a shipped fleet: phones, sbc, edge; it sets the "
+        "workload, devices, budgets and split (the options below override it)",
     )
     p.add_argument(
-        "--rounds", type=positive_int, default=5, help="federated rounds (default: 5)"
+        "--strategy",
+        default=None,
+        help="with --fleet: fleetfit (default), exclude or smallest-model",
+    )
+    p.add_argument(
+        "--compare",
+        default=None,
+        help="with --fleet: strategies to run side by side, e.g. "
+        "fleetfit,exclude,smallest-model (a run folder each under --out)",
+    )
+    p.add_argument(
+        "--target",
+        type=positive_float,
+        default=None,
+        help="with --compare: the metric for 'rounds to target' (default: the worst "
+        "final metric among the strategies)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (one line per round on stderr)",
+    )
+    p.add_argument(
+        "--clients",
+        type=positive_int,
+        default=None,
+        help="virtual clients (default: 10, or the fleet's)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help="federated rounds (default: 5, or the fleet's)",
     )
     p.add_argument(
         "--local-steps",
         type=positive_int,
-        default=20,
-        help="optimizer steps per client per round (default: 20)",
+        default=None,
+        help="optimizer steps per client per round (default: 20, or the fleet's)",
     )
     p.add_argument(
         "--lr",
@@ -60,8 +97,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fraction",
         type=positive_float,
-        default=1.0,
-        help="share of clients sampled per round, in (0, 1] (default: 1)",
+        default=None,
+        help="share of clients sampled per round, in (0, 1] (default: 1, or the "
+        "fleet's)",
     )
     p.add_argument(
         "--batch",
@@ -76,7 +114,10 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="sequence length for language models (default: the workload's)",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of all randomness (default: 0)"
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of all randomness (default: 0, or the fleet's)",
     )
     p.add_argument(
         "--out", default=None, help="run folder (default: runs/simulate-<timestamp>)"
@@ -85,27 +126,35 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fleet is not None:
+        return run_fleet(args)
+    for flag in ("strategy", "compare", "target"):
+        if getattr(args, flag) is not None:
+            raise ValueError(
+                f"--{flag} needs --fleet: give a fleet file or one of phones, sbc, edge"
+            )
     from simulations.run import SimulationSettings, simulate
 
     out = args.out or os.path.join("runs", time.strftime("simulate-%Y%m%d-%H%M%S"))
     settings = SimulationSettings(
         workload=args.workload,
-        num_clients=args.clients,
-        rounds=args.rounds,
-        local_steps=args.local_steps,
+        num_clients=_or(args.clients, 10),
+        rounds=_or(args.rounds, 5),
+        local_steps=_or(args.local_steps, 20),
         lr=args.lr,
         split=args.split,
         dirichlet_alpha=args.alpha,
-        fraction_train=args.fraction,
-        seed=args.seed,
+        fraction_train=_or(args.fraction, 1.0),
+        seed=_or(args.seed, 0),
         out=out,
         batch_size=args.batch,
         seq_len=args.seq,
+        progress=not args.no_progress,
     )
     settings.validate()  # bad input fails here, before Ray starts
     print(
-        f"fleetfit simulate: {args.workload}, {args.clients} clients, "
-        f"{args.rounds} rounds -> {out}",
+        f"fleetfit simulate: {args.workload}, {settings.num_clients} clients, "
+        f"{settings.rounds} rounds -> {out}",
         file=sys.stderr,
     )
     from fleetfit.cli import interrupted
@@ -114,6 +163,78 @@ def run(args: argparse.Namespace) -> int:
     summary = simulate(settings)
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
+    return 0
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """``--fleet``: one strategy, or ``--compare`` several, on a fleet file."""
+    from simulations.compare import (
+        check_strategies,
+        compare,
+        run_strategy,
+        settings_for,
+        smallest_model,
+    )
+    from simulations.fleet import load_fleet
+
+    if args.strategy is not None and args.compare is not None:
+        raise ValueError("give --strategy or --compare, not both")
+    for flag, default in (("workload", "digits-cnn"), ("split", "iid")):
+        if getattr(args, flag) != default:
+            raise ValueError(
+                f"--{flag} comes from the fleet file with --fleet: edit the file's "
+                f"{flag} field instead"
+            )
+    if args.target is not None and args.compare is None:
+        raise ValueError("--target applies to --compare")
+    fleet = load_fleet(
+        args.fleet,
+        clients=args.clients,
+        rounds=args.rounds,
+        fraction=args.fraction,
+        local_steps=args.local_steps,
+        seed=args.seed,
+    )
+    names = check_strategies((args.compare or args.strategy or "fleetfit").split(","))
+    out = args.out or os.path.join("runs", time.strftime(f"{fleet.name}-%Y%m%d-%H%M%S"))
+    # Everything that can fail on input fails here, before Ray starts.
+    for name in names:
+        wl = smallest_model(fleet)[0].name if name == "smallest-model" else None
+        settings_for(fleet, name, out, workload=wl).validate()
+    print(
+        f"fleetfit simulate: fleet {fleet.name} ({fleet.clients} devices, "
+        f"{fleet.workload}), {fleet.rounds} rounds, strategies {', '.join(names)} "
+        f"-> {out}",
+        file=sys.stderr,
+    )
+    from fleetfit.cli import interrupted
+
+    signal.signal(signal.SIGINT, interrupted)
+    progress = not args.no_progress
+    if args.compare is None:
+        entry = run_strategy(fleet, names[0], out, progress=progress)
+        from simulations.report import format_table
+
+        result = {
+            "fleet": fleet.describe(),
+            "metric_name": entry["metric_name"],
+            "target": entry["final_metric"],
+            "strategies": {names[0]: {**entry, "run_folder": "."}},
+        }
+        print(format_rounds({"metric_name": entry["metric_name"], **entry}))
+        print()
+        print(format_table(result))
+        print(f"\nrun folder: {out}")
+        return 0
+    from simulations.report import format_table
+
+    result = compare(fleet, names, out, target=args.target, progress=progress)
+    print(format_table(result))
+    print(f"\nrun folders: {out}/<strategy>; report: {out}/report.md")
     return 0
 
 

@@ -20,6 +20,10 @@ machine for digits-cnn and gpt-byte, see docs/federation.md).
 - ``none``: not even the head alone fits: the node is told so, with the smallest budget
   that would get it a part.
 
+With ``strategy="exclude"`` (the status quo, for comparisons) a node gets ``full``
+plain training when the plain step's predicted peak plus the reserve fits its budget,
+and ``none`` otherwise: no plan, no part.
+
 Time: with the node's measured compute rate, the plan's predicted step time is scaled
 to the node; a node whose ``local_steps`` would not fit in ``train_time_s`` gets fewer
 steps (at least one) instead of being dropped.
@@ -36,7 +40,7 @@ from torch import nn
 
 from memory.blocks import as_blocks
 from memory.errors import BudgetError
-from memory.plan import min_budget_bytes, plan_memory
+from memory.plan import min_budget_bytes, plan_memory, predict
 from memory.profile import Profile, profile_workload_fake
 from memory.spec import MemoryPlan
 from server import protocol
@@ -77,13 +81,18 @@ class Assigner:
         local_steps: int,
         runtime_reserve_bytes: int,
         train_time_s: float,
+        strategy: str = "fleetfit",
     ) -> None:
+        if strategy not in ("fleetfit", "exclude"):
+            raise ValueError(f"strategy {strategy!r}: choose fleetfit or exclude")
+        self.strategy = strategy
         self.workload = workload
         self.names = [b.name for b in as_blocks(model)]
         self.local_steps = local_steps
         self.reserve = runtime_reserve_bytes
         self.train_time_s = train_time_s
         self._profile: Profile | None = None
+        self._plain: MemoryPlan | None = None
         self._min: dict[tuple[int, int, int], int] = {}
         self._parts: dict[tuple[int, int], Profile] = {}
 
@@ -109,6 +118,8 @@ class Assigner:
         prof = self.profile
         usable = budget - self.reserve
         batch = prof.batch_size
+        if self.strategy == "exclude":
+            return self._plain_or_nothing(budget, disk, facts)
         if usable > 0:
             try:
                 plan = plan_memory(
@@ -152,6 +163,43 @@ class Assigner:
                 f"a memory budget of {budget} bytes cannot train even the head "
                 f"(block {self.names[-1]!r}) with a disk budget of {disk} bytes; the "
                 f"smallest budget that gets a part is {need} bytes"
+            ),
+        )
+
+    @property
+    def plain_plan(self) -> MemoryPlan:
+        """Plain training of the whole model, with its predicted peak and time."""
+        if self._plain is None:
+            plain = MemoryPlan.plain(self.names)
+            pred = predict(self.profile, plain)
+            self._plain = replace(
+                plain,
+                predicted_peak_bytes=pred.peak_bytes,
+                predicted_step_s=pred.step_s,
+            )
+        return self._plain
+
+    def plain_need_bytes(self) -> int:
+        """The budget a node needs to train the whole model plainly."""
+        return self.plain_plan.predicted_peak_bytes + self.reserve
+
+    def _plain_or_nothing(
+        self, budget: int, disk: int, facts: dict[str, Any]
+    ) -> Assignment:
+        need = self.plain_need_bytes()
+        if need <= budget:
+            return self._timed("full", budget, disk, self.plain_plan, None, facts)
+        return Assignment(
+            "none",
+            budget,
+            disk,
+            None,
+            None,
+            0,
+            min_budget_bytes=need,
+            reason=(
+                f"excluded: the plain training step needs {need} bytes, more than the "
+                f"memory budget of {budget} bytes"
             ),
         )
 

@@ -10,6 +10,9 @@ from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
 from workloads.splits import SPLITS
 
+STRATEGIES = ("fleetfit", "exclude")
+"""What nodes are asked to train (see ``ServerConfig.strategy``)."""
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -43,6 +46,13 @@ class ServerConfig:
     #   partition id (simulation; a node's own memory-budget wins)
     fleet_disk_budgets: str = ""  # [fleet-disk-budgets] same, for disk
     fleet_speeds: str = ""  # [fleet-speeds] same, factors on the measured speed
+    fleet_availability: str = ""  # [fleet-availability] same, the probability that a
+    #   node is online in a round (simulation; an offline node is not sampled)
+    fleet_classes: str = ""  # [fleet-classes] device class index of every partition
+    #   (comma-separated, one per partition): a natural split follows the classes
+    strategy: str = "fleetfit"  # [strategy] fleetfit: every node trains what fits
+    #   (plan, part, or evaluation only); exclude: the status quo, a node whose plain
+    #   training step does not fit its budget takes no part
     eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
     #   the server's central evaluation (onnxruntime: the exported model, in process)
     eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
@@ -131,6 +141,32 @@ class ServerConfig:
                 ok = False
             if not ok:
                 raise bad("fleet-speeds", self.fleet_speeds, "positive numbers")
+        for item in filter(
+            None, (x.strip() for x in self.fleet_availability.split(","))
+        ):
+            try:
+                ok = 0 < float(item) <= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise bad(
+                    "fleet-availability",
+                    self.fleet_availability,
+                    "probabilities in (0, 1], comma-separated",
+                )
+        if self.fleet_classes:
+            try:
+                classes = self.classes or (-1,)
+            except ValueError:
+                classes = (-1,)
+            if min(classes) < 0:
+                raise bad(
+                    "fleet-classes",
+                    self.fleet_classes,
+                    "class indices >= 0, one per partition, comma-separated",
+                )
+        if self.strategy not in STRATEGIES:
+            raise bad("strategy", self.strategy, " or ".join(STRATEGIES))
         if not self.round_timeout_s > 0 or not self.node_wait_s > 0:
             raise bad(
                 "round-timeout/node-wait",
@@ -140,6 +176,20 @@ class ServerConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def classes(self) -> tuple[int, ...] | None:
+        """``fleet-classes`` as integers (None where not given)."""
+        if not self.fleet_classes.strip():
+            return None
+        return tuple(int(x) for x in self.fleet_classes.split(","))
+
+    def availability(self, partition_id: int) -> float:
+        """The probability that partition ``partition_id``'s node is online a round."""
+        items = [
+            x for x in (s.strip() for s in self.fleet_availability.split(",")) if x
+        ]
+        return float(items[partition_id % len(items)]) if items else 1.0
 
     @property
     def reserve_bytes(self) -> int:

@@ -52,12 +52,14 @@ class Federation:
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self.nodes: dict[int, dict[str, Any]] = {}  # node id -> facts (query reply)
+        self.offline: list[int] = []  # this round's nodes drawn offline
         self.assigner = Assigner(
             self.workload,
             self.model,
             local_steps=cfg.local_steps,
             runtime_reserve_bytes=cfg.reserve_bytes,
             train_time_s=cfg.train_time,
+            strategy=cfg.strategy,
         )
         self.start_round = 1
         self.summary: dict[str, Any] = {
@@ -97,12 +99,16 @@ class Federation:
         log.info("known nodes: %d", len(self.nodes))
 
     def sample(self, server_round: int) -> list[int]:
-        """Nodes for this round: a seeded share of the known nodes, by partition id."""
+        """Nodes for this round: a seeded share of the known nodes that are online, by
+        partition id (``fleet-availability`` takes simulated nodes offline)."""
         live = set(self.transport.node_ids())
         known = sorted(
             (n for n in self.nodes if n in live),
-            key=lambda n: (int(self.nodes[n].get(protocol.PARTITION_ID) or 0), n),
+            key=lambda n: (self._partition(n), n),
         )
+        self.offline = [n for n in known if not self._online(n, server_round)]
+        off = set(self.offline)
+        known = [n for n in known if n not in off]
         if not known:
             return []
         k = max(1, round(self.cfg.fraction_train * len(known)))
@@ -111,6 +117,18 @@ class Federation:
         rng = np.random.default_rng([self.cfg.seed, server_round])
         pick = sorted(rng.choice(len(known), size=k, replace=False))
         return [known[i] for i in pick]
+
+    def _partition(self, node_id: int) -> int:
+        return int(self.nodes[node_id].get(protocol.PARTITION_ID) or 0)
+
+    def _online(self, node_id: int, server_round: int) -> bool:
+        """A seeded draw per (round, partition) against its ``fleet-availability``."""
+        pid = self._partition(node_id)
+        p = self.cfg.availability(pid)
+        if p >= 1.0:
+            return True
+        u = np.random.default_rng([self.cfg.seed, server_round, pid, 1]).random()
+        return bool(u < p)
 
     # ------------------------------------------------------------ rounds
     def run(self) -> dict[str, Any]:
@@ -163,7 +181,7 @@ class Federation:
         for node_id in sampled:
             a = self.assigner.assign(self.nodes.get(node_id, {}), server_round)
             assignments[node_id] = a
-            config = self._instruction(a, server_round)
+            config = self._instruction(a, server_round, self.nodes.get(node_id, {}))
             arrays = (
                 full_arrays
                 if a.kind != "none"
@@ -204,6 +222,7 @@ class Federation:
             "loss": metrics["loss"],
             "num_clients": len(accepted) if changed else 0,
             "num_sampled": len(sampled),
+            "num_offline": len(self.offline),
             "num_failed": len(sampled) - len(ok) - none,
             "num_rejected": len(rejected),
             "train_loss": float(np.mean(train_losses)) if train_losses else None,
@@ -232,8 +251,17 @@ class Federation:
         )
         return record
 
-    def _instruction(self, a: Assignment, server_round: int) -> ConfigRecord:
+    def _instruction(
+        self, a: Assignment, server_round: int, facts: dict[str, Any]
+    ) -> ConfigRecord:
         cfg = self.cfg
+        measure = cfg.client_measure
+        if measure == "auto" and facts.get(protocol.BUDGET_SOURCE):
+            # a node given its budget (node config or fleet) is measured in a child;
+            # one that measured its own budget trains inline
+            measure = (
+                "inline" if facts[protocol.BUDGET_SOURCE] == "measured" else "child"
+            )
         ins = protocol.TrainInstruction(
             server_round=server_round,
             workload=cfg.workload,
@@ -242,13 +270,14 @@ class Federation:
             seed=cfg.seed,
             split=cfg.split,
             dirichlet_alpha=cfg.dirichlet_alpha,
+            classes=cfg.fleet_classes,
             batch_size=cfg.batch_size,
             seq_len=cfg.seq_len,
             kind=a.kind,
             plan=a.plan.to_json() if a.plan is not None else "",
             window_start=a.window[0] if a.window else 0,
             window_stop=a.window[1] if a.window else 0,
-            measure=cfg.client_measure,
+            measure=measure,
             min_budget_bytes=a.min_budget_bytes,
             reason=a.reason,
         )

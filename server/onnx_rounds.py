@@ -82,7 +82,11 @@ class OnnxRounds:
     ) -> ArrayRecord:
         """The arrays of a ``none`` node's instruction: the round's model as ONNX
         bytes when evaluation-only work is on (marking ``config``), else none."""
-        if self.cfg.eval_only == "off" or self.workload.kind not in ("image", "lm"):
+        if (
+            self.cfg.eval_only == "off"
+            or self.cfg.strategy == "exclude"  # the status quo: excluded nodes idle
+            or self.workload.kind not in ("image", "lm")
+        ):
             return ArrayRecord()
         if self._round_model is None or self._round_model[0] != server_round:
             self._round_model = (server_round, self._onnx_record(model))

@@ -81,6 +81,7 @@ class TrainInstruction:
     seed: int = 0  # run seed; batch order from (seed, round, partition)
     split: str = "iid"  # iid | dirichlet | natural
     dirichlet_alpha: float = 0.5
+    classes: str = ""  # natural split by device class: class index of every partition
     batch_size: int = 0  # 0: the workload's default
     seq_len: int = 0  # 0: the workload's default (language models)
     kind: str = "full"  # full | part | none
@@ -96,6 +97,19 @@ class TrainInstruction:
 
     def to_config(self) -> dict[str, Any]:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+    @property
+    def class_list(self) -> tuple[int, ...] | None:
+        """``classes`` as integers (None: the split ignores device classes)."""
+        if not self.classes.strip():
+            return None
+        try:
+            return tuple(int(x) for x in self.classes.split(","))
+        except ValueError:
+            raise ValueError(
+                f"train instruction classes={self.classes[:80]!r} must be "
+                "comma-separated integers"
+            ) from None
 
     @classmethod
     def from_config(cls, config: dict) -> TrainInstruction:

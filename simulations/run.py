@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
+from simulations.progress import RoundProgress
 from workloads import get_workload
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,16 @@ class SimulationSettings:
     #   [fleet-disk-budgets]
     client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
     #   measures peaks in a child process for nodes given a budget
+    speeds: tuple[float, ...] = ()  # relative compute speed by partition id (same
+    #   rule) [fleet-speeds]
+    availability: tuple[float, ...] = ()  # probability that a partition's device is
+    #   online in a round [fleet-availability]
+    classes: tuple[int, ...] = ()  # device class of every partition: a natural split
+    #   follows them [fleet-classes]
+    strategy: str = "fleetfit"  # fleetfit | exclude [strategy]
+    eval_only: str = "onnxruntime"  # [eval-only]
+    export_onnx: str = "end"  # [export-onnx]
+    progress: bool = False  # a progress bar on stderr, one step per round
 
     def server_config(self) -> ServerConfig:
         cfg = ServerConfig(
@@ -66,6 +77,12 @@ class SimulationSettings:
             client_measure=self.client_measure,
             fleet_memory_budgets=_fleet_list("memory_budgets", self.memory_budgets),
             fleet_disk_budgets=_fleet_list("disk_budgets", self.disk_budgets),
+            fleet_speeds=",".join(f"{x:g}" for x in self.speeds),
+            fleet_availability=",".join(f"{x:g}" for x in self.availability),
+            fleet_classes=",".join(str(int(c)) for c in self.classes),
+            strategy=self.strategy,
+            eval_only=self.eval_only,
+            export_onnx=self.export_onnx,
         )
         cfg.validate()
         return cfg
@@ -95,8 +112,18 @@ class SimulationSettings:
             seq_len=self.seq_len or None,
         )
         # The data must divide across the clients (raises a WorkloadError naming both).
+        if self.classes and len(self.classes) != self.num_clients:
+            raise ValueError(
+                f"classes has {len(self.classes)} entries for {self.num_clients} "
+                "clients: give one class index per client"
+            )
         wl.client_items(
-            0, self.num_clients, self.split, seed=self.seed, alpha=self.dirichlet_alpha
+            0,
+            self.num_clients,
+            self.split,
+            seed=self.seed,
+            alpha=self.dirichlet_alpha,
+            classes=self.classes or None,
         )
         return cfg
 
@@ -126,19 +153,28 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
 
     from client.app import app as client_app
     from server.app import make_app
+    from server.persist import SUMMARY_FILE
 
     Path(settings.out).mkdir(parents=True, exist_ok=True)
     backend_config = {
         "client_resources": {"num_cpus": settings.cpus_per_client, "num_gpus": 0.0},
         "init_args": {"include_dashboard": False, "log_to_driver": True},
     }
-    run_simulation(
-        server_app=make_app(cfg.to_run_config()),
-        client_app=client_app,
-        num_supernodes=settings.num_clients,
-        backend_config=backend_config,  # type: ignore[arg-type]
+    bar = (
+        RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.rounds)
+        if settings.progress
+        else None
     )
-    from server.persist import SUMMARY_FILE
+    try:
+        run_simulation(
+            server_app=make_app(cfg.to_run_config()),
+            client_app=client_app,
+            num_supernodes=settings.num_clients,
+            backend_config=backend_config,  # type: ignore[arg-type]
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
     summary_path = Path(settings.out) / SUMMARY_FILE
     if not summary_path.exists():

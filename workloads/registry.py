@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -58,6 +58,7 @@ class Workload:
     loss_fn: LossFn = field(repr=False)
     dataset: str = "none"  # digits | corpus | synthetic | example
     custom_batch: Batch | None = field(default=None, repr=False)
+    scale: float = 1.0  # width (and depth) factor of a shrunk built-in: NAME@SCALE
 
     @property
     def metric_name(self) -> str:
@@ -95,8 +96,20 @@ class Workload:
                 )
         return replace(self, batch_size=b, seq_len=t)
 
+    @property
+    def base_name(self) -> str:
+        """The built-in name without its ``@SCALE`` suffix."""
+        return self.name.split("@", 1)[0]
+
     def make_config(self) -> models.GPTConfig:
-        return models.GPT_PRESETS[self.name]
+        return scaled_gpt_config(models.GPT_PRESETS[self.base_name], self.scale)
+
+    def scaled(self, scale: float) -> Workload:
+        """The same job on a model shrunk by ``scale`` (``NAME@SCALE``; see
+        ``get_workload``): same data, loss and batch shape."""
+        return get_workload(f"{self.base_name}@{_scale_str(scale)}").with_shape(
+            self.batch_size, self.seq_len if self.kind == "lm" else None
+        )
 
     def make_model(self, seed: int = 0) -> nn.Module:
         """The model, initialised from ``seed`` (same seed, same weights, bit for bit)."""
@@ -133,8 +146,10 @@ class Workload:
         *,
         seed: int = 0,
         alpha: float = 0.5,
+        classes: Sequence[int] | None = None,
     ) -> data_mod.Items:
-        """The training items of one client of ``num_partitions``."""
+        """The training items of one client of ``num_partitions`` (``classes``: the
+        device class of each partition, for a natural split that follows them)."""
         if not 0 <= partition_id < num_partitions:
             raise WorkloadError(
                 f"partition id {partition_id} is outside 0..{num_partitions - 1}"
@@ -143,7 +158,7 @@ class Workload:
         if self.dataset == "example":
             return items  # a custom workload trains its example batch everywhere
         parts = split_indices(
-            items.groups, num_partitions, split, seed=seed, alpha=alpha
+            items.groups, num_partitions, split, seed=seed, alpha=alpha, classes=classes
         )
         return items.subset(parts[partition_id])
 
@@ -246,6 +261,70 @@ def _gpt_factory(name: str) -> Callable[[], nn.Module]:
     return lambda: models.GPT(models.GPT_PRESETS[name])
 
 
+def scaled_gpt_config(cfg: models.GPTConfig, scale: float) -> models.GPTConfig:
+    """``cfg`` shrunk by ``scale``: width and depth times ``scale`` (at least one layer;
+    the width a multiple of the heads, at least 8 per head), vocabulary and context kept."""
+    if scale == 1.0:
+        return cfg
+    heads = cfg.num_heads
+    width = max(8 * heads, round(cfg.d_model * scale / heads) * heads)
+    if width < 8 * heads * 2 and heads > 1:  # very small: fewer heads, 16 wide each
+        heads = max(1, round(cfg.d_model * scale / 16))
+        width = 16 * heads
+    return replace(
+        cfg,
+        d_model=width,
+        num_heads=heads,
+        num_layers=max(1, round(cfg.num_layers * scale)),
+    )
+
+
+def _scaled_factory(base: Workload, scale: float) -> Callable[[], nn.Module]:
+    """The model factory of ``base`` shrunk by ``scale``."""
+    name = base.name
+    if name in models.GPT_PRESETS:
+        cfg = scaled_gpt_config(models.GPT_PRESETS[name], scale)
+        return lambda: models.GPT(cfg)
+
+    def width(n: int) -> int:
+        return max(2, round(n * scale))
+
+    if name in ("digits-cnn", "digits-cnn-bn"):
+        bn = name == "digits-cnn-bn"
+        return lambda: models.DigitsCNN(
+            channels=(width(16), width(32)), hidden=width(64), batch_norm=bn
+        )
+    if name == "digits-mlp":
+        return lambda: models.MLP(hidden=(width(128), width(128)))
+    raise WorkloadError(f"{name} has no shrunk variants")  # pragma: no cover
+
+
+def _scale_str(scale: float) -> str:
+    return f"{scale:g}"
+
+
+def _parse_scaled(name: str) -> Workload:
+    base_name, _, text = name.partition("@")
+    if base_name not in BUILTIN_WORKLOADS:
+        raise WorkloadError(
+            f"unknown workload {name!r}: NAME@SCALE shrinks a built-in, choose NAME "
+            f"from {', '.join(BUILTIN_WORKLOADS)}"
+        )
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not 0 < scale <= 1 or _scale_str(scale) != text:
+        raise WorkloadError(
+            f"workload {name!r}: the scale after '@' must be a number in (0, 1] written "
+            "without padding, e.g. gpt-byte@0.5"
+        )
+    base = BUILTIN_WORKLOADS[base_name]
+    if scale == 1.0:
+        return base
+    return replace(base, name=name, factory=_scaled_factory(base, scale), scale=scale)
+
+
 BUILTIN_WORKLOADS: dict[str, Workload] = {
     "digits-cnn": Workload(
         "digits-cnn", "image", 32, None, models.DigitsCNN, _cross_entropy, "digits"
@@ -294,6 +373,10 @@ def get_workload(
 ) -> Workload:
     """A built-in workload by name, or a user's ``module:function``.
 
+    ``NAME@SCALE`` is the built-in ``NAME`` on a model shrunk by ``SCALE`` in (0, 1]
+    (width times ``SCALE``; for GPTs also depth, at least one layer): the same data,
+    loss and batch shape (the ``smallest-model`` strategy of fleet simulations).
+
     Raises:
         WorkloadError: unknown name, malformed spec, a module or function that cannot be
             loaded, or a function that does not return ``(model, (inputs, targets),
@@ -303,12 +386,15 @@ def get_workload(
         raise WorkloadError(f"workload must be a name or module:function, got {name!r}")
     if name in BUILTIN_WORKLOADS:
         wl = BUILTIN_WORKLOADS[name]
+    elif "@" in name and ":" not in name:
+        wl = _parse_scaled(name)
     elif ":" in name:
         wl = _load_custom(name)
     else:
         raise WorkloadError(
             f"unknown workload {name!r}: choose one of {', '.join(BUILTIN_WORKLOADS)} "
-            "or give your own as module:function"
+            "(NAME@SCALE for a shrunk one, e.g. gpt-byte@0.5) or give your own as "
+            "module:function"
         )
     if batch_size is None and seq_len is None:
         return wl

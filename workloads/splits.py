@@ -8,9 +8,17 @@ All three work on the items' group labels (a digit class, a corpus package famil
 - ``natural``: whole groups go to one client each (largest group first, to the client
   with the fewest items), so a client owns data that others lack: one package family
   per client on the corpus, one digit class per client on digits with ten clients.
+
+A natural split can also follow device classes (``classes``: the class index of each
+client, as in a fleet where a class's devices hold data that other classes lack): the
+groups are first dealt to the classes (largest first, to the class with the fewest items
+per client), then each class's items to its clients, whole groups per client where the
+class has at least as many groups as clients, else evenly in a seeded shuffle.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,6 +34,7 @@ def split_indices(
     *,
     seed: int = 0,
     alpha: float = 0.5,
+    classes: Sequence[int] | None = None,
 ) -> list[np.ndarray]:
     """Indices of each partition's items.
 
@@ -35,6 +44,8 @@ def split_indices(
         kind: ``iid``, ``dirichlet`` or ``natural``.
         seed: all randomness derives from it.
         alpha: Dirichlet concentration (``dirichlet`` only); must be > 0.
+        classes: ``natural`` only: the device class (0, 1, ...) of each partition; a
+            class's partitions share the groups dealt to that class.
 
     Raises:
         WorkloadError: an unknown kind, a bad count, or more partitions than the data
@@ -59,6 +70,8 @@ def split_indices(
             raise WorkloadError(f"dirichlet alpha must be > 0, got {alpha}")
         return _dirichlet(groups, num_partitions, rng, alpha)
     if kind == "natural":
+        if classes is not None:
+            return _by_class(groups, num_partitions, classes, seed)
         return _natural(groups, num_partitions)
     raise WorkloadError(f"unknown split {kind!r}: choose one of {', '.join(SPLITS)}")
 
@@ -98,3 +111,84 @@ def _natural(groups: np.ndarray, k: int) -> list[np.ndarray]:
         owned[c].append(int(labels[i]))
         sizes[c] += counts[i]
     return [np.flatnonzero(np.isin(groups, own)) for own in owned]
+
+
+def class_groups(groups: np.ndarray, classes: Sequence[int]) -> dict[int, int]:
+    """Which device class owns each group of a class-following natural split.
+
+    Largest group first, to the class with the fewest items per client (ties: lowest
+    class index); every class gets at least one group.
+
+    Raises:
+        WorkloadError: a class index that is not an integer >= 0, a class with no
+            client, or fewer groups than classes.
+    """
+    counts_per_class = _class_sizes(classes)
+    labels, counts = np.unique(groups, return_counts=True)
+    k = len(counts_per_class)
+    if len(labels) < k:
+        raise WorkloadError(
+            f"a natural split by device class needs a group per class, but the data "
+            f"has {len(labels)} groups for {k} classes: use fewer classes or iid"
+        )
+    order = sorted(range(len(labels)), key=lambda i: (-counts[i], labels[i]))
+    load = np.zeros(k, dtype=np.float64)
+    owner: dict[int, int] = {}
+    for rank, i in enumerate(order):
+        if rank < k:  # every class gets one group first, the largest to the first
+            c = rank
+        else:
+            c = int(np.argmin(load / counts_per_class))
+        owner[int(labels[i])] = c
+        load[c] += counts[i]
+    return owner
+
+
+def _class_sizes(classes: Sequence[int]) -> np.ndarray:
+    if not len(classes):
+        raise WorkloadError("classes must name the device class of every partition")
+    for c in classes:
+        if isinstance(c, bool) or not isinstance(c, int | np.integer) or c < 0:
+            raise WorkloadError(
+                f"device class {c!r} must be an integer >= 0 (one per partition)"
+            )
+    sizes = np.bincount(np.asarray(classes, dtype=np.int64))
+    empty = np.flatnonzero(sizes == 0)
+    if len(empty):
+        raise WorkloadError(
+            f"device class {int(empty[0])} has no partition: number the classes "
+            f"0..{len(sizes) - 1} without gaps"
+        )
+    return sizes
+
+
+def _by_class(
+    groups: np.ndarray, k: int, classes: Sequence[int], seed: int
+) -> list[np.ndarray]:
+    if len(classes) != k:
+        raise WorkloadError(
+            f"classes has {len(classes)} entries for {k} partitions: give one per "
+            "partition"
+        )
+    owner = class_groups(groups, classes)
+    cls = np.asarray(classes, dtype=np.int64)
+    parts: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * k
+    for c in range(int(cls.max()) + 1):
+        members = np.flatnonzero(cls == c)
+        mine = [g for g, o in owner.items() if o == c]
+        idx = np.flatnonzero(np.isin(groups, mine))
+        if len(idx) < len(members):
+            raise WorkloadError(
+                f"device class {c} has {len(members)} clients but its groups hold only "
+                f"{len(idx)} items: use fewer clients in that class"
+            )
+        if len(mine) >= len(members):
+            pieces = [idx[p] for p in _natural(groups[idx], len(members))]
+        else:
+            rng = np.random.default_rng([seed, c])
+            pieces = [
+                np.sort(p) for p in np.array_split(rng.permutation(idx), len(members))
+            ]
+        for m, piece in zip(members, pieces, strict=True):
+            parts[int(m)] = piece
+    return parts

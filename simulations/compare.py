@@ -1,0 +1,363 @@
+"""Strategies compared on one fleet, data split and seed.
+
+- ``fleetfit``: the memory-aware federation: every device trains what fits its budget
+  (a plan for the whole model, a window of blocks, or evaluation only).
+- ``exclude``: the status quo: plain FedAvg where a device whose plain training step
+  does not fit its budget (by the memory model, as a real device would fail) takes no
+  part.
+- ``smallest-model``: the model shrunk (``NAME@SCALE``) until every device of the fleet
+  can train it plainly; then plain FedAvg with everyone.
+
+Example:
+    >>> from simulations.compare import compare
+    >>> from simulations.fleet import load_fleet
+    >>> result = compare(load_fleet("edge"), ["fleetfit", "exclude"], "runs/edge")
+
+``compare`` writes ``OUT/NAME/`` (a run folder per strategy), ``OUT/summary.json``
+(``{"fleet": ..., "strategies": {NAME: {...}}}``) and the report files of
+``simulations.report``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.config import ServerConfig
+from simulations.fleet import Fleet
+from simulations.run import SimulationSettings, simulate
+from workloads import Workload, get_workload
+from workloads.splits import class_groups, split_indices
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("fleetfit", "exclude", "smallest-model")
+SCALES = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
+"""The model sizes ``smallest-model`` tries, largest first (``NAME@SCALE``)."""
+
+
+def check_strategies(names: Sequence[str]) -> list[str]:
+    """Validate a list of strategy names (no duplicates, each known)."""
+    out: list[str] = []
+    for name in names:
+        name = name.strip()
+        if name not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {name!r}: choose from {', '.join(STRATEGIES)}"
+            )
+        if name in out:
+            raise ValueError(f"strategy {name!r} is listed twice")
+        out.append(name)
+    if not out:
+        raise ValueError(f"name at least one strategy: {', '.join(STRATEGIES)}")
+    return out
+
+
+def base_workload(fleet: Fleet) -> Workload:
+    return get_workload(
+        fleet.workload,
+        batch_size=fleet.batch_size or None,
+        seq_len=fleet.seq_len or None,
+    )
+
+
+def plain_need_bytes(workload: Workload, reserve_bytes: int) -> int:
+    """The budget a device needs to train ``workload`` plainly (memory model)."""
+    from server.assign import Assigner
+
+    a = Assigner(
+        workload,
+        workload.make_model(0),
+        local_steps=1,
+        runtime_reserve_bytes=reserve_bytes,
+        train_time_s=math.inf,
+        strategy="exclude",
+    )
+    return a.plain_need_bytes()
+
+
+def smallest_model(fleet: Fleet) -> tuple[Workload, int]:
+    """The largest shrunk model every device of ``fleet`` trains plainly, and its need.
+
+    Raises:
+        ValueError: the workload cannot be shrunk (a custom one), or even the smallest
+            scale does not fit the smallest budget.
+    """
+    wl = base_workload(fleet)
+    if wl.kind == "custom":
+        raise ValueError(
+            f"smallest-model shrinks built-in workloads only; {wl.name} is custom"
+        )
+    reserve = ServerConfig().reserve_bytes
+    smallest = min(fleet.budgets)
+    need = 0
+    for scale in SCALES:
+        cand = wl.scaled(scale)
+        need = plain_need_bytes(cand, reserve)
+        if need <= smallest:
+            return cand, need
+    raise ValueError(
+        f"smallest-model: even {wl.base_name}@{SCALES[-1]:g} needs {need} bytes to "
+        f"train plainly, more than the fleet's smallest budget of {smallest} bytes"
+    )
+
+
+def settings_for(
+    fleet: Fleet,
+    strategy: str,
+    out: str | Path,
+    *,
+    workload: str | None = None,
+    cpus_per_client: float = 1.0,
+    progress: bool = False,
+) -> SimulationSettings:
+    """The simulation of one strategy on ``fleet``."""
+    check_strategies([strategy])
+    return SimulationSettings(
+        workload=workload or fleet.workload,
+        num_clients=fleet.clients,
+        rounds=fleet.rounds,
+        local_steps=fleet.local_steps,
+        lr=fleet.lr,
+        split=fleet.split,
+        dirichlet_alpha=fleet.alpha,
+        fraction_train=fleet.fraction,
+        seed=fleet.seed,
+        out=str(out),
+        cpus_per_client=cpus_per_client,
+        batch_size=fleet.batch_size,
+        seq_len=fleet.seq_len,
+        memory_budgets=tuple(str(b) for b in fleet.budgets),
+        disk_budgets=tuple(
+            str(fleet.classes[k].disk_bytes) for k in fleet.partition_class
+        ),
+        speeds=tuple(fleet.classes[k].speed for k in fleet.partition_class),
+        availability=tuple(
+            fleet.classes[k].availability for k in fleet.partition_class
+        ),
+        classes=fleet.partition_class if fleet.split == "natural" else (),
+        strategy="fleetfit" if strategy == "fleetfit" else "exclude",
+        eval_only="onnxruntime" if strategy == "fleetfit" else "off",
+        export_onnx="off",
+        progress=progress,
+    )
+
+
+def run_strategy(
+    fleet: Fleet,
+    strategy: str,
+    out: str | Path,
+    *,
+    cpus_per_client: float = 1.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry."""
+    workload = None
+    if strategy == "smallest-model":
+        shrunk, need = smallest_model(fleet)
+        workload = shrunk.name
+        log.info("smallest-model: %s (plain step needs %d bytes)", workload, need)
+    settings = settings_for(
+        fleet,
+        strategy,
+        out,
+        workload=workload,
+        cpus_per_client=cpus_per_client,
+        progress=progress,
+    )
+    t0 = time.monotonic()
+    summary = simulate(settings)
+    wall = time.monotonic() - t0
+    return summarize(fleet, summary, Path(out), wall_s=wall, workload=workload)
+
+
+def compare(
+    fleet: Fleet,
+    strategies: Sequence[str],
+    out: str | Path,
+    *,
+    target: float | None = None,
+    cpus_per_client: float = 1.0,
+    progress: bool = False,
+    report: bool = True,
+) -> dict[str, Any]:
+    """Run each strategy on the same fleet, split and seed; write the comparison.
+
+    ``target``: the metric for "rounds to target" (default: the worst final metric
+    among the strategies, the quality every one of them reaches).
+    """
+    names = check_strategies(strategies)
+    if target is not None and not (math.isfinite(target) and target > 0):
+        raise ValueError(f"target={target!r} must be a positive number")
+    if "smallest-model" in names:
+        smallest_model(fleet)  # fails here, before any simulation, if none fits
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries: dict[str, dict[str, Any]] = {}
+    for name in names:
+        log.info("strategy %s on fleet %s", name, fleet.name)
+        entries[name] = run_strategy(
+            fleet,
+            name,
+            out / name,
+            cpus_per_client=cpus_per_client,
+            progress=progress,
+        )
+        entries[name]["run_folder"] = name
+    metric = next(iter(entries.values()))["metric_name"]
+    higher = metric == "accuracy"
+    if target is None:
+        finals = [e["final_metric"] for e in entries.values()]
+        target = min(finals) if higher else max(finals)
+    for e in entries.values():
+        e["rounds_to_target"] = rounds_to(e["rounds"], metric, target)
+    result = {
+        "fleet": fleet.describe(),
+        "metric_name": metric,
+        "target": target,
+        "strategies": entries,
+    }
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    if report:
+        from simulations.report import write_report
+
+        write_report(out, result)
+    return result
+
+
+def rounds_to(rounds: list[dict[str, Any]], metric: str, target: float) -> int | None:
+    """The first round whose metric reaches ``target`` (None: never)."""
+    for r in rounds:
+        v = r.get(metric)
+        if v is None:
+            continue
+        if (v >= target) if metric == "accuracy" else (v <= target):
+            return int(r["round"])
+    return None
+
+
+def summarize(
+    fleet: Fleet,
+    summary: dict[str, Any],
+    run_folder: Path,
+    *,
+    wall_s: float,
+    workload: str | None = None,
+) -> dict[str, Any]:
+    """A strategy's entry: participation, data share, metrics, per-class figures."""
+    wl = base_workload(fleet)
+    metric = wl.metric_name
+    sizes = partition_sizes(fleet, wl)
+    total = float(sum(sizes))
+    names = [c.name for c in fleet.classes]
+    cls_of = list(fleet.partition_class)
+    contributed_any: set[int] = set()
+    per_class: dict[str, dict[str, Any]] = {
+        n: {"sampled": 0, "contributed": 0, "worst": None} for n in names
+    }
+    sampled_all = contributed_all = 0
+    for r in summary["rounds"]:
+        for a in r.get("assignments", []):
+            pid = a.get("partition_id")
+            if not isinstance(pid, int) or not 0 <= pid < fleet.clients:
+                continue
+            c = per_class[names[cls_of[pid]]]
+            c["sampled"] += 1
+            sampled_all += 1
+            if a.get("kind") in ("full", "part") and a.get("status") == "ok":
+                c["contributed"] += 1
+                contributed_all += 1
+                contributed_any.add(pid)
+            peak, budget = a.get("measured_peak_bytes"), a.get("budget_bytes")
+            if isinstance(peak, int | float) and isinstance(budget, int) and budget > 0:
+                ratio = float(peak) / budget
+                c["worst"] = ratio if c["worst"] is None else max(c["worst"], ratio)
+    class_metrics = class_eval(fleet, wl, run_folder, workload)
+    classes: dict[str, dict[str, Any]] = {}
+    for k, n in enumerate(names):
+        mine = [p for p in range(fleet.clients) if cls_of[p] == k]
+        items = sum(sizes[p] for p in mine)
+        got = sum(sizes[p] for p in mine if p in contributed_any)
+        c = per_class[n]
+        classes[n] = {
+            "participation": c["contributed"] / c["sampled"] if c["sampled"] else None,
+            "data_share": got / items if items else 0.0,
+            "worst_peak_over_budget": c["worst"],
+            "metric": class_metrics.get(n),
+            "devices": len(mine),
+        }
+    values = [r[metric] for r in summary["rounds"] if r.get(metric) is not None]
+    return {
+        "workload": workload or fleet.workload,
+        "participation": contributed_all / sampled_all if sampled_all else 0.0,
+        "data_share": sum(sizes[p] for p in contributed_any) / total if total else 0.0,
+        "final_metric": values[-1] if values else None,
+        "best_metric": (max(values) if metric == "accuracy" else min(values))
+        if values
+        else None,
+        "metric_name": metric,
+        "rounds_to_target": None,
+        "wall_s": wall_s,
+        "classes": classes,
+        "rounds": summary["rounds"],
+    }
+
+
+def partition_sizes(fleet: Fleet, wl: Workload) -> list[int]:
+    """Training items of every device, as the clients split them."""
+    items = wl.items(train=True)
+    parts = split_indices(
+        items.groups,
+        fleet.clients,
+        fleet.split,
+        seed=fleet.seed,
+        alpha=fleet.alpha,
+        classes=fleet.partition_class if fleet.split == "natural" else None,
+    )
+    return [len(p) for p in parts]
+
+
+def class_eval(
+    fleet: Fleet, wl: Workload, run_folder: Path, workload: str | None
+) -> dict[str, float]:
+    """The final model's metric on each class's own held-out data.
+
+    With a natural split a class's data is the held-out items of the groups it owns;
+    with iid or Dirichlet splits every class is measured on the whole held-out set.
+    """
+    import torch
+
+    from server.persist import load_model
+
+    path = run_folder / "model.safetensors"
+    if not path.exists():
+        return {}
+    trained = get_workload(
+        workload or fleet.workload,
+        batch_size=fleet.batch_size or None,
+        seq_len=fleet.seq_len or None,
+    )
+    model = trained.make_model(0)
+    state, _ = load_model(path)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    test = wl.items(train=False)
+    metric = wl.metric_name
+    out: dict[str, float] = {}
+    if fleet.split == "natural":
+        owner = class_groups(wl.items(train=True).groups, fleet.partition_class)
+        for k, c in enumerate(fleet.classes):
+            mine = [g for g, o in owner.items() if o == k]
+            idx = np.flatnonzero(np.isin(test.groups, mine))
+            if len(idx):
+                out[c.name] = trained.evaluate(model, test.subset(idx))[metric]
+    else:
+        whole = trained.evaluate(model, test)[metric]
+        out = {c.name: whole for c in fleet.classes}
+    return out

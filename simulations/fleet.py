@@ -1,0 +1,411 @@
+"""Fleet descriptions: device classes with shares, memory, speed and availability.
+
+A fleet file is TOML (see ``simulations/fleets/`` and docs/simulations.md)::
+
+    name = "phones"
+    clients = 20            # virtual devices
+    rounds = 4              # federated rounds
+    fraction = 0.5          # share of the online devices sampled per round
+    local_steps = 5
+    seed = 0
+
+    [workload]
+    name = "gpt-byte"       # built-in or module:function
+    batch = 8               # optional: the workload's default
+    seq = 128               # optional, language models
+    lr = 0.003              # optional
+
+    [split]
+    kind = "natural"        # iid | dirichlet | natural (natural follows the classes)
+    alpha = 0.5             # dirichlet only
+
+    [[classes]]
+    name = "3GB"
+    share = 0.14            # of the devices; the shares sum to 1
+    memory = "300MB"        # fixed, or {min = "250MB", max = "350MB"} (uniform per
+                            # device), or {choices = ["1GB", "2GB"], weights = [3, 1]}
+    disk = "0"              # optional: local storage for offload/streaming ("0": none)
+    speed = 0.5             # relative compute speed (1: this machine)
+    availability = 0.9      # probability that a device is online in a round
+
+``load_fleet`` validates everything before Ray starts; errors name the field and the
+value. Devices are numbered class by class (partition ids ``0..n-1``); a class gets
+``round(share * clients)`` devices (largest remainder, at least one each).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memory.errors import MemoryPlanError
+from memory.sizes import parse_bytes
+from workloads.splits import SPLITS
+
+FLEETS_DIR = Path(__file__).parent / "fleets"
+"""The shipped fleet files (``phones.toml``, ``sbc.toml``, ``edge.toml``)."""
+
+_TOP = {
+    "name",
+    "description",
+    "clients",
+    "rounds",
+    "fraction",
+    "local_steps",
+    "seed",
+    "workload",
+    "split",
+    "classes",
+    "sources",
+}
+_WORKLOAD = {"name", "batch", "seq", "lr"}
+_SPLIT = {"kind", "alpha"}
+_CLASS = {"name", "share", "memory", "disk", "speed", "availability", "note"}
+
+
+class FleetError(ValueError):
+    """A fleet file that cannot describe a fleet; the message names field and value."""
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """One kind of device in a fleet."""
+
+    name: str
+    share: float  # of the fleet's devices
+    memory: tuple[int, ...]  # fixed: (bytes,); range: (min, max), uniform per
+    #   device; choices: the sizes, drawn with ``weights``
+    weights: tuple[float, ...] = ()  # choices only, summing to 1
+    disk_bytes: int = 0
+    speed: float = 1.0  # relative compute speed
+    availability: float = 1.0  # probability of being online in a round
+    memory_kind: str = "fixed"  # fixed | range | choices
+
+    @property
+    def budget_range(self) -> tuple[int, int]:
+        return min(self.memory), max(self.memory)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A validated fleet description, with every device drawn."""
+
+    name: str
+    classes: tuple[DeviceClass, ...]
+    clients: int
+    rounds: int = 5
+    fraction: float = 1.0
+    local_steps: int = 5
+    seed: int = 0
+    workload: str = "digits-cnn"
+    batch_size: int = 0  # 0: the workload's default
+    seq_len: int = 0
+    lr: float = 0.003
+    split: str = "natural"
+    alpha: float = 0.5
+    description: str = ""
+    file: str = ""
+    partition_class: tuple[int, ...] = field(default=())  # class index per device
+    budgets: tuple[int, ...] = field(default=())  # memory budget per device, bytes
+
+    def class_counts(self) -> list[int]:
+        return [self.partition_class.count(i) for i in range(len(self.classes))]
+
+    def describe(self) -> dict[str, Any]:
+        """The fleet as the comparison summary records it."""
+        counts = self.class_counts()
+        classes = []
+        for i, c in enumerate(self.classes):
+            mine = [b for b, k in zip(self.budgets, self.partition_class) if k == i]
+            classes.append(
+                {
+                    "name": c.name,
+                    "share": c.share,
+                    "clients": counts[i],
+                    "budget_min_bytes": min(mine),
+                    "budget_max_bytes": max(mine),
+                    "disk_bytes": c.disk_bytes,
+                    "speed": c.speed,
+                    "availability": c.availability,
+                }
+            )
+        return {
+            "name": self.name,
+            "file": self.file,
+            "workload": self.workload,
+            "clients": self.clients,
+            "rounds": self.rounds,
+            "fraction": self.fraction,
+            "local_steps": self.local_steps,
+            "seed": self.seed,
+            "split": self.split,
+            "classes": classes,
+            "partition_class": [self.classes[k].name for k in self.partition_class],
+        }
+
+
+def shipped_fleet(name: str) -> Path:
+    """The path of a shipped fleet by name (``phones``), or ``name`` itself."""
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    shipped = FLEETS_DIR / f"{name}.toml"
+    if shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in FLEETS_DIR.glob("*.toml"))
+    raise FleetError(
+        f"fleet {name!r} is neither a file nor a shipped fleet: give a path to a "
+        f".toml file or one of {', '.join(names)}"
+    )
+
+
+def load_fleet(source: str | Path, **overrides: Any) -> Fleet:
+    """Read and validate a fleet file (a path, or a shipped fleet's name).
+
+    ``overrides`` replace top-level fields after reading (``clients=1000``,
+    ``rounds=3``, ``fraction=0.01``, ``local_steps``, ``seed``), and are validated the
+    same way.
+
+    Raises:
+        FleetError: the file is missing or not TOML, or a field is unknown, missing or
+            out of range (the message names it and its value).
+    """
+    path = shipped_fleet(str(source))
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FleetError(f"fleet file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise FleetError(f"fleet file {str(path)!r} is not valid TOML: {e}") from None
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    return parse_fleet(data, file=str(path))
+
+
+def parse_fleet(data: dict[str, Any], file: str = "") -> Fleet:
+    """Validate a fleet given as a dict (the TOML's content)."""
+    where = f"fleet {file!r}: " if file else "fleet: "
+
+    def fail(msg: str) -> FleetError:
+        return FleetError(where + msg)
+
+    _unknown(data, _TOP, "", fail)
+    name = _text(data.get("name", Path(file).stem or "fleet"), "name", fail)
+    clients = _int(data.get("clients"), "clients", 1, fail)
+    rounds = _int(data.get("rounds", 5), "rounds", 1, fail)
+    local_steps = _int(data.get("local_steps", 5), "local_steps", 1, fail)
+    seed = _int(data.get("seed", 0), "seed", 0, fail)
+    fraction = _float(data.get("fraction", 1.0), "fraction", fail)
+    if not 0 < fraction <= 1:
+        raise fail(f"fraction = {fraction!r} must be in (0, 1]")
+
+    wl = data.get("workload", {"name": "digits-cnn"})
+    if isinstance(wl, str):
+        wl = {"name": wl}
+    if not isinstance(wl, dict):
+        raise fail(f"workload = {wl!r} must be a table with a name, e.g. [workload]")
+    _unknown(wl, _WORKLOAD, "workload.", fail)
+    workload = _text(wl.get("name"), "workload.name", fail)
+    batch = _int(wl.get("batch", 0), "workload.batch", 0, fail)
+    seq = _int(wl.get("seq", 0), "workload.seq", 0, fail)
+    lr = _float(wl.get("lr", 0.003), "workload.lr", fail)
+    if not lr > 0:
+        raise fail(f"workload.lr = {lr!r} must be > 0")
+
+    split = data.get("split", {"kind": "natural"})
+    if isinstance(split, str):
+        split = {"kind": split}
+    if not isinstance(split, dict):
+        raise fail(f"split = {split!r} must be a table, e.g. [split] kind = 'natural'")
+    _unknown(split, _SPLIT, "split.", fail)
+    kind = split.get("kind", "natural")
+    if kind not in SPLITS:
+        raise fail(f"split.kind = {kind!r} must be one of {', '.join(SPLITS)}")
+    alpha = _float(split.get("alpha", 0.5), "split.alpha", fail)
+    if not alpha > 0:
+        raise fail(f"split.alpha = {alpha!r} must be > 0")
+
+    raw_classes = data.get("classes")
+    if not isinstance(raw_classes, list) or not raw_classes:
+        raise fail(
+            "classes is missing: give at least one [[classes]] table with name, "
+            "share and memory"
+        )
+    classes = tuple(_device_class(c, i, fail) for i, c in enumerate(raw_classes))
+    names = [c.name for c in classes]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise fail(f"classes.name {sorted(dup)[0]!r} is used twice: names must differ")
+    total = sum(c.share for c in classes)
+    if abs(total - 1.0) > 1e-6:
+        raise fail(
+            f"classes' shares sum to {total:.6g}, not 1: fix the share fields "
+            f"({', '.join(f'{c.name}={c.share:g}' for c in classes)})"
+        )
+    if clients < len(classes):
+        raise fail(
+            f"clients = {clients} is fewer than the {len(classes)} classes: every "
+            "class needs a device"
+        )
+    counts = _apportion([c.share for c in classes], clients)
+    partition_class = tuple(i for i, n in enumerate(counts) for _ in range(n))
+    rng = np.random.default_rng([seed, 17])
+    budgets = tuple(_draw(classes[k], rng) for k in partition_class)
+    return Fleet(
+        name=name,
+        classes=classes,
+        clients=clients,
+        rounds=rounds,
+        fraction=fraction,
+        local_steps=local_steps,
+        seed=seed,
+        workload=workload,
+        batch_size=batch,
+        seq_len=seq,
+        lr=lr,
+        split=kind,
+        alpha=alpha,
+        description=str(data.get("description", "")),
+        file=file,
+        partition_class=partition_class,
+        budgets=budgets,
+    )
+
+
+def _device_class(raw: Any, i: int, fail: Any) -> DeviceClass:
+    if not isinstance(raw, dict):
+        raise fail(f"classes[{i}] = {raw!r} must be a table ([[classes]])")
+    _unknown(raw, _CLASS, f"classes[{i}].", fail)
+    name = _text(raw.get("name"), f"classes[{i}].name", fail)
+    at = f"classes[{i}] ({name})."
+    share = _float(raw.get("share"), at + "share", fail)
+    if not 0 < share <= 1:
+        raise fail(f"{at}share = {share!r} must be in (0, 1]")
+    memory = raw.get("memory")
+    weights: tuple[float, ...] = ()
+    mem: tuple[int, ...]
+    if isinstance(memory, str | int) and not isinstance(memory, bool):
+        mem, mkind = (_size(memory, at + "memory", fail),), "fixed"
+    elif isinstance(memory, dict) and set(memory) == {"min", "max"}:
+        lo = _size(memory["min"], at + "memory.min", fail)
+        hi = _size(memory["max"], at + "memory.max", fail)
+        if lo > hi:
+            raise fail(
+                f"{at}memory: min {memory['min']!r} is above max {memory['max']!r}"
+            )
+        mem, mkind = (lo, hi), "range"
+    elif isinstance(memory, dict) and set(memory) in (
+        {"choices"},
+        {"choices", "weights"},
+    ):
+        choices = memory["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise fail(f"{at}memory.choices = {choices!r} must be a non-empty list")
+        sizes = tuple(_size(c, at + "memory.choices", fail) for c in choices)
+        weights = memory.get("weights", [1.0] * len(sizes))
+        if (
+            not isinstance(weights, list)
+            or len(weights) != len(sizes)
+            or any(
+                isinstance(w, bool) or not isinstance(w, int | float) for w in weights
+            )
+            or any(not (w >= 0 and math.isfinite(w)) for w in weights)
+            or not sum(weights) > 0
+        ):
+            raise fail(
+                f"{at}memory.weights = {weights!r} must be {len(sizes)} numbers >= 0 "
+                "with a positive sum"
+            )
+        total = float(sum(weights))
+        weights = tuple(float(w) / total for w in weights)
+        mem, mkind = sizes, "choices"
+    else:
+        raise fail(
+            f"{at}memory = {memory!r} must be a size ('512MB'), {{min = ..., max = ...}} "
+            "or {choices = [...], weights = [...]}"
+        )
+    disk = _size(raw.get("disk", "0"), at + "disk", fail, allow_zero=True)
+    speed = _float(raw.get("speed", 1.0), at + "speed", fail)
+    if not speed > 0:
+        raise fail(f"{at}speed = {speed!r} must be > 0 (1: this machine's speed)")
+    avail = _float(raw.get("availability", 1.0), at + "availability", fail)
+    if not 0 < avail <= 1:
+        raise fail(f"{at}availability = {avail!r} must be in (0, 1]")
+    return DeviceClass(name, share, mem, weights, disk, speed, avail, mkind)
+
+
+def _draw(c: DeviceClass, rng: np.random.Generator) -> int:
+    if c.memory_kind == "choices":
+        return c.memory[int(rng.choice(len(c.memory), p=np.asarray(c.weights)))]
+    if c.memory_kind == "fixed":
+        return c.memory[0]
+    lo, hi = c.memory
+    return int(rng.integers(lo, hi + 1))
+
+
+def _apportion(shares: list[float], n: int) -> list[int]:
+    """``n`` devices over the shares: largest remainder, at least one per class."""
+    raw = [s * n for s in shares]
+    counts = [max(1, math.floor(r)) for r in raw]
+    while sum(counts) < n:  # the next device to the class furthest below its share
+        counts[max(range(len(counts)), key=lambda i: (raw[i] - counts[i], -i))] += 1
+    while sum(counts) > n:  # the at-least-one rule overshot: take from the largest
+        big = max(
+            (i for i in range(len(counts)) if counts[i] > 1),
+            key=lambda i: (counts[i] - raw[i], counts[i]),
+        )
+        counts[big] -= 1
+    return counts
+
+
+def _unknown(table: dict[str, Any], known: set[str], prefix: str, fail: Any) -> None:
+    extra = sorted(set(table) - known)
+    if extra:
+        raise fail(
+            f"unknown field {prefix}{extra[0]} = {table[extra[0]]!r}: known fields "
+            f"are {', '.join(prefix + k for k in sorted(known))}"
+        )
+
+
+def _text(value: Any, key: str, fail: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise fail(f"{key} = {value!r} must be a non-empty string")
+    return value.strip()
+
+
+def _int(value: Any, key: str, low: int, fail: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise fail(f"{key} = {value!r} must be an integer >= {low}")
+    return value
+
+
+def _float(value: Any, key: str, fail: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(f"{key} = {value!r} must be a number")
+    if not math.isfinite(value):
+        raise fail(f"{key} = {value!r} must be finite")
+    return float(value)
+
+
+def _size(value: Any, key: str, fail: Any, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise fail(f"{key} = {value!r} must be a size such as '512MB'")
+    if (
+        isinstance(value, int)
+        and value < 0
+        or isinstance(value, str)
+        and value.strip().startswith("-")
+    ):
+        raise fail(
+            f"{key} = {value!r} is negative: budgets are sizes >= 0, e.g. '512MB'"
+        )
+    try:
+        return parse_bytes(str(value), what=key, allow_zero=allow_zero)
+    except MemoryPlanError as e:
+        raise fail(str(e)) from None

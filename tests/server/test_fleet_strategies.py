@@ -1,0 +1,113 @@
+"""The fleet keys of a run: the ``exclude`` strategy (the status quo), availability
+(nodes offline for a round), natural splits by device class, and how measurement is
+chosen for nodes given a budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.assign import Assigner
+from server.config import ServerConfig
+from tests.server.grid import FakeGrid
+from tests.server.test_federation import config, digits_mins, federate, nodes
+from workloads import get_workload
+
+
+def plain_need():
+    wl = get_workload("digits-cnn")
+    a = Assigner(
+        wl,
+        wl.make_model(0),
+        local_steps=5,
+        runtime_reserve_bytes=0,
+        train_time_s=1e3,
+        strategy="exclude",
+    )
+    return a.plain_need_bytes()
+
+
+def test_exclude_trains_plainly_or_not_at_all(tmp_path):
+    head_min, whole_min = digits_mins()
+    need = plain_need()
+    assert head_min <= whole_min <= need
+    budgets = [2 * need, need, (head_min + whole_min) // 2, head_min // 2]
+    common = dict(
+        num_server_rounds=2,
+        fleet_memory_budgets=",".join(str(b) for b in budgets),
+        fleet_disk_budgets="0",
+    )
+    excl = federate(
+        config(tmp_path / "x", strategy="exclude", **common), FakeGrid(nodes(4))
+    )
+    ff = federate(config(tmp_path / "f", **common), FakeGrid(nodes(4)))
+    for r in excl["rounds"]:
+        kinds = {a["partition_id"]: a["kind"] for a in r["assignments"]}
+        assert kinds == {0: "full", 1: "full", 2: "none", 3: "none"}
+        assert r["num_clients"] == 2
+        for a in r["assignments"]:
+            if a["kind"] == "none":
+                assert a["min_budget_bytes"] == need and a["status"] == "none"
+                assert "eval_accuracy" not in a  # the status quo: excluded nodes idle
+    kinds = {a["partition_id"]: a["kind"] for a in ff["rounds"][0]["assignments"]}
+    assert kinds == {0: "full", 1: "full", 2: "part", 3: "none"}
+
+
+def test_availability_takes_nodes_offline_by_a_seeded_draw(tmp_path):
+    common = dict(num_server_rounds=4, fleet_availability="0.5", seed=3)
+    a = federate(config(tmp_path / "a", **common), FakeGrid(nodes(6)))
+    b = federate(config(tmp_path / "b", **common), FakeGrid(nodes(6)))
+    offline = [r["num_offline"] for r in a["rounds"]]
+    assert offline == [r["num_offline"] for r in b["rounds"]]
+    assert 0 < sum(offline) < 24
+    for r in a["rounds"]:
+        assert r["num_sampled"] == 6 - r["num_offline"]
+        assert len(r["assignments"]) == r["num_sampled"]
+    always = federate(config(tmp_path / "c", num_server_rounds=2), FakeGrid(nodes(3)))
+    assert all(r["num_offline"] == 0 for r in always["rounds"])
+
+
+def test_natural_split_by_class_reaches_the_clients(tmp_path):
+    cfg = config(
+        tmp_path,
+        num_server_rounds=1,
+        split="natural",
+        fleet_classes="0,0,1,1",
+    )
+    r = federate(cfg, FakeGrid(nodes(4)))["rounds"][0]
+    examples = {a["partition_id"]: a["num_examples"] for a in r["assignments"]}
+    wl = get_workload("digits-cnn")
+    want = {
+        p: len(wl.client_items(p, 4, "natural", classes=(0, 0, 1, 1))) for p in range(4)
+    }
+    assert examples == want
+    plain = {p: len(wl.client_items(p, 4, "natural")) for p in range(4)}
+    assert want != plain
+
+
+def test_nodes_given_a_budget_are_measured_in_a_child(tmp_path):
+    cfg = config(
+        tmp_path,
+        num_server_rounds=1,
+        client_measure="auto",
+        fleet_memory_budgets="1GB",
+        local_steps=2,
+        export_onnx="off",
+    )
+    r = federate(cfg, FakeGrid(nodes(1)))["rounds"][0]
+    assert r["assignments"][0]["peak_method"] == "child"
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("strategy", "greedy", "fleetfit or exclude"),
+        ("fleet_availability", "0.5,1.5", "probabilities in (0, 1]"),
+        ("fleet_availability", "x", "probabilities"),
+        ("fleet_classes", "0,a", "class indices"),
+        ("fleet_classes", "0,-1", "class indices"),
+    ],
+)
+def test_bad_fleet_keys_are_refused(key, value, needle):
+    with pytest.raises(ValueError) as e:
+        ServerConfig(**{key: value}).validate()
+    assert needle in str(e.value) and repr(value) in str(e.value)
