@@ -52,7 +52,10 @@ def parse_bytes(
     if isinstance(text, int | float):
         if isinstance(text, float) and not math.isfinite(text):
             raise MemoryPlanError(f"{what} {text!r} is not a finite size; {fix}")
-        value = float(text)
+        try:
+            value = float(text)
+        except OverflowError:
+            raise MemoryPlanError(f"{what} {text!r} is too large") from None
     elif isinstance(text, str):
         stripped = text.strip()
         if stripped.startswith("-"):
@@ -61,7 +64,9 @@ def parse_bytes(
         unit = m.group(3).lower() if m else None
         if not m or unit not in _UNITS:
             raise MemoryPlanError(f"cannot parse {what} {text!r}; {fix}")
-        value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _UNITS[unit]
+        # float() of the whole literal: 10 ** int(exponent) would build a huge
+        # integer for an exponent such as "1e999999999"; float() gives inf at once.
+        value = float(f"{m.group(1)}e{m.group(2) or 0}") * _UNITS[unit]
     else:
         raise MemoryPlanError(f"{what} {text!r} is not a size; {fix}")
     if value < 0:

@@ -55,8 +55,17 @@ def _number(text: str, what: str, fix: str) -> tuple[float, str]:
     m = _RATE.match(text)
     if not m:
         raise ClusterError(f"cannot parse {what} {text!r}; {fix}")
-    value = float(m.group(1)) * 10 ** int(m.group(2) or 0)
+    # float() of the whole literal: 10 ** int(exponent) would build a huge integer
+    # for an exponent such as "1e999999999"; float() gives inf at once.
+    value = float(f"{m.group(1)}e{m.group(2) or 0}")
     return value, m.group(3)
+
+
+def _plain(text: int | float, what: str, fix: str) -> float:
+    try:
+        return float(text)
+    except OverflowError:
+        raise ClusterError(f"{what} {text!r} is too large; {fix}") from None
 
 
 def parse_bandwidth(text: str | int | float, what: str = "bandwidth") -> float:
@@ -65,7 +74,7 @@ def parse_bandwidth(text: str | int | float, what: str = "bandwidth") -> float:
     if isinstance(text, bool):
         raise ClusterError(f"{what} {text!r} is not a bandwidth; {fix}")
     if isinstance(text, int | float):
-        value = float(text)
+        value = _plain(text, what, fix)
     else:
         value, unit = _number(str(text), what, fix)
         u = unit.lower().removesuffix("/s").removesuffix("ps")
@@ -91,7 +100,7 @@ def parse_seconds(text: str | int | float, what: str = "latency") -> float:
     if isinstance(text, bool):
         raise ClusterError(f"{what} {text!r} is not a time; {fix}")
     if isinstance(text, int | float):
-        value = float(text)
+        value = _plain(text, what, fix)
     else:
         value, unit = _number(str(text), what, fix)
         scale = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}.get(
@@ -111,7 +120,7 @@ def parse_rate(text: str | int | float, what: str = "compute") -> float:
     if isinstance(text, bool):
         raise ClusterError(f"{what} {text!r} is not a rate; {fix}")
     if isinstance(text, int | float):
-        value = float(text)
+        value = _plain(text, what, fix)
     else:
         value, unit = _number(str(text), what, fix)
         u = unit.lower().removesuffix("/s").removesuffix("s")
@@ -300,13 +309,18 @@ class Cluster:
                 dname = name if count == 1 else f"{name}:{j}"
                 devices.append(Device(dname, name, mem, rate, peak))
         links: dict[tuple[str, str], Link] = {}
-        for i, lk in enumerate(d.get("links", [])):
+        raw_links = d.get("links", [])
+        if not isinstance(raw_links, list):
+            raise ClusterError(
+                f"links must be a list of [[links]] tables, got {raw_links!r}"
+            )
+        for i, lk in enumerate(raw_links):
             where = f"links[{i}]"
             pair = lk.get("hosts") if isinstance(lk, dict) else None
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ClusterError(f"{where}.hosts must name two hosts, got {pair!r}")
             for hname in pair:
-                if hname not in seen:
+                if not isinstance(hname, str) or hname not in seen:
                     raise ClusterError(
                         f"{where}.hosts names unknown host {hname!r}; hosts: {sorted(seen)}"
                     )
@@ -361,8 +375,8 @@ def load_cluster(path: str | Path, *, probe: Any = None) -> Cluster:
     if not p.is_file():
         raise FileNotFoundError(f"cluster file {str(p)!r} does not exist")
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ClusterError(f"cluster file {str(p)!r} is not valid TOML: {e}") from None
     data.setdefault("name", p.stem)
     return Cluster.from_dict(data, probe=probe)

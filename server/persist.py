@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,33 @@ def save_model(
         raise
 
 
-def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A saved state dict and its metadata (no pickle involved)."""
-    from safetensors import safe_open
+class CheckpointError(ValueError):
+    """A model or state file that cannot be read; the message names the file."""
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-    return load_file(str(path)), metadata
+
+def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A saved state dict and its metadata (no pickle involved).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is not a complete safetensors file (truncated, or
+            written by something else, such as ``torch.save``'s pickle).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        return load_file(str(path)), metadata
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{path} ({path.stat().st_size} bytes) is not a complete safetensors "
+            f"file: {e}. It is truncated or was written by something else; fleetfit "
+            "reads only safetensors (never pickle)"
+        ) from e
 
 
 def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
@@ -125,6 +146,7 @@ def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
 # ---------------------------------------------------------------- resume state
 STATE_DIR = "state"
 STATE_FILE = "state.json"
+_MODEL_NAME = re.compile(r"^model-[0-9]+\.safetensors$")  # a plain name in state/
 
 
 def save_state(
@@ -162,13 +184,35 @@ def load_state(
 ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]] | None:
     """``(round, model state, summary, strategy state)`` saved in ``out``, or None."""
     d = Path(out) / STATE_DIR
-    if not (d / STATE_FILE).exists():
+    path = d / STATE_FILE
+    if not path.exists():
         return None
-    state = json.loads((d / STATE_FILE).read_text())
-    model, meta = load_model(d / state["model"])
-    if int(meta.get("round", -1)) != int(state["round"]):
-        raise ValueError(
-            f"{d}: state.json says round {state['round']} but its model file says "
-            f"{meta.get('round')}; the state folder was edited by hand"
+    fix = f"restore {d} from a backup, or move it away to start the run from round 1"
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    ok = (
+        isinstance(state, dict)
+        and type(state.get("round")) is int
+        and state["round"] >= 1
+        and isinstance(state.get("model"), str)
+        and _MODEL_NAME.match(state["model"]) is not None
+        and isinstance(state.get("summary"), dict)
+        and isinstance(state.get("strategy", {}), dict)
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{path} is not a fleetfit state file (expected round >= 1, "
+            f"model-<round>.safetensors, summary, strategy); {fix}"
         )
-    return int(state["round"]), model, state["summary"], state["strategy"]
+    try:
+        model, meta = load_model(d / state["model"])
+    except (FileNotFoundError, CheckpointError) as e:
+        raise CheckpointError(f"{e}; {fix}") from e
+    if meta.get("round") != str(state["round"]):
+        raise CheckpointError(
+            f"{d}: state.json says round {state['round']} but its model file says "
+            f"{meta.get('round')!r}; the state folder was edited by hand; {fix}"
+        )
+    return state["round"], model, state["summary"], state.get("strategy", {})
