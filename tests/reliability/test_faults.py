@@ -1,0 +1,116 @@
+"""Faults on a loopback deployment (real SuperLink and SuperNodes, through
+``fleetfit server`` and ``fleetfit client``): a node that hangs past the round's
+deadline and a node that returns garbage (NaN) take part in every round.
+
+What must hold afterwards: every round completes, in order, with no gap or duplicate;
+the healthy node's update is the only one accepted each round (a late reply never
+counts in a later round); the hanging node is recorded as ``no reply`` and the garbage
+as ``rejected``; the saved global model is finite, loadable, equal to the resume
+state's model, and trained. The faulty nodes run ``tests/reliability/faulty.py``,
+which the SuperNodes must allow (``--allow-workloads``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from server.persist import load_model, load_state
+from tests.deployment.test_commands import FLEETFIT, env, rounds_done, wait_for
+from tests.deployment.test_loopback import Processes, free_port
+from tests.reliability.faulty import SPEC
+from workloads import get_workload
+
+pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+
+ROUNDS = 3
+ROUND_TIMEOUT_S = 20
+
+
+def client(port: int, pid: int, num: int) -> list[str]:
+    return [
+        *FLEETFIT,
+        "client",
+        "--superlink",
+        f"127.0.0.1:{port}",
+        "--memory-budget",
+        "1GB",
+        "--disk-budget",
+        "0",
+        "--partition-id",
+        str(pid),
+        "--num-partitions",
+        str(num),
+        "--allow-workloads",
+        SPEC,
+    ]
+
+
+def test_a_hanging_and_a_garbage_node_do_not_stop_the_rounds(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    procs = Processes(tmp_path)
+    faults = {
+        0: {},
+        1: {"FLEETFIT_TEST_FAULT": "hang"},
+        2: {"FLEETFIT_TEST_FAULT": "nan"},
+    }
+    try:
+        for pid, extra in faults.items():
+            procs.start(
+                f"client{pid}",
+                client(port, pid, len(faults)),
+                {**env(), **extra, "FLEETFIT_TEST_HANG_S": str(4 * ROUND_TIMEOUT_S)},
+            )
+        server = procs.start(
+            "server",
+            [
+                *FLEETFIT,
+                "server",
+                "--port",
+                str(port),
+                "--workload",
+                SPEC,
+                "--rounds",
+                str(ROUNDS),
+                "--min-nodes",
+                str(len(faults)),
+                "--local-steps",
+                "3",
+                "--round-timeout",
+                str(ROUND_TIMEOUT_S),
+                "--out",
+                str(out),
+                "--run-config",
+                "client-measure='inline' export-onnx='off' eval-only='off'",
+            ],
+            env(),
+        )
+        wait_for(
+            lambda: server.poll() is not None,
+            120 + ROUNDS * 3 * ROUND_TIMEOUT_S,
+            f"the server did not finish; rounds done: {rounds_done(out)}",
+        )
+        assert server.returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
+    finally:
+        procs.stop()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == list(range(1, ROUNDS + 1))
+    for r in summary["rounds"]:
+        status = {a["partition_id"]: a["status"] for a in r["assignments"]}
+        assert status[0] == "ok", r
+        assert status[1] == "no reply", r
+        assert status[2].startswith("rejected") and "NaN or Inf" in status[2], r
+        assert r["num_clients"] == 1 and r["num_rejected"] == 1, r
+    model, meta = load_model(out / "model.safetensors")
+    assert meta["round"] == str(ROUNDS)
+    assert all(bool(torch.isfinite(v).all()) for v in model.values())
+    saved = load_state(out)
+    assert saved is not None and saved[0] == ROUNDS
+    assert all(torch.equal(model[k], saved[1][k]) for k in model)
+    init = get_workload(SPEC).make_model(0).state_dict()  # the server's round-0 model
+    assert set(model) == set(init)
+    assert not torch.equal(model["1.weight"], init["1.weight"])  # node 0 trained it
+    assert not list(out.glob("*.pt")) and not list(out.glob("*.pkl"))
