@@ -404,7 +404,15 @@ def load_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[nn.Module, Work
             f"{path} has no 'workload' metadata: give a model.safetensors written by a "
             "fleetfit run"
         )
-    settings = json.loads(meta.get("settings") or "{}")
+    try:
+        settings = json.loads(meta.get("settings") or "{}")
+        if not isinstance(settings, dict):
+            raise ValueError("not a JSON object")
+        int(settings.get("batch-size") or 0), int(settings.get("seq-len") or 0)
+    except (ValueError, TypeError) as e:
+        raise ExportError(
+            f"{path}: its 'settings' metadata is not what a fleetfit run writes ({e})"
+        ) from None
     try:
         workload = get_workload(
             meta["workload"],

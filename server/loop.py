@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,7 +164,13 @@ class Federation:
                     f"cannot resume {self.out}: it was run with {key}={old[key]!r}, "
                     f"this run has {key}={self.cfg.to_run_config()[key]!r}"
                 )
-        self.model.load_state_dict(state)
+        try:
+            self.model.load_state_dict(state)
+        except RuntimeError as e:  # keys or shapes of another model
+            raise ValueError(
+                f"cannot resume {self.out}: its saved model does not fit "
+                f"{self.cfg.workload} ({str(e).splitlines()[0][:200]})"
+            ) from None
         summary["config"] = self.cfg.to_run_config()
         self.summary = summary
         self.start_round = server_round + 1
@@ -347,6 +354,11 @@ class Federation:
                     rec["message_bytes"] = sum(len(x.data) for x in arrays.values())
                 state = arrays.to_torch_state_dict()
                 num = _as_int(metrics[protocol.NUM_EXAMPLES])
+                loss = metrics.get(protocol.TRAIN_LOSS)
+                if loss is not None and (
+                    isinstance(loss, bool) or not isinstance(loss, int | float)
+                ):
+                    raise TypeError(f"train-loss {str(loss)[:40]} is not a number")
                 pid = _as_int(
                     metrics.get(
                         protocol.PARTITION_ID,
@@ -364,8 +376,8 @@ class Federation:
                 else frozenset(trained_keys(self.model, a.window))
             )
             updates.append(Update(pid, node_id, num, state, expected))
-            if protocol.TRAIN_LOSS in metrics:
-                losses.append(float(metrics[protocol.TRAIN_LOSS]))  # type: ignore[arg-type]
+            if loss is not None and math.isfinite(loss):  # a NaN loss is not averaged
+                losses.append(float(loss))
         for node_id in assignments:
             if node_id not in reports:
                 errors.append(f"node {node_id}: no reply within the round's deadline")

@@ -152,9 +152,18 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
     from flwr.simulation import run_simulation
 
     from client.app import app as client_app
+    from client.config import ALLOW_WORKLOADS_ENV
     from server.app import make_app
     from server.persist import SUMMARY_FILE
 
+    if ":" in settings.workload:
+        # Simulated nodes run what the user who starts the simulation named (a real
+        # SuperNode allows custom workloads only through its own node config).
+        allowed = os.environ.get(ALLOW_WORKLOADS_ENV, "")
+        if settings.workload not in allowed.split(","):
+            os.environ[ALLOW_WORKLOADS_ENV] = ",".join(
+                x for x in (allowed, settings.workload) if x
+            )
     Path(settings.out).mkdir(parents=True, exist_ok=True)
     backend_config = {
         "client_resources": {"num_cpus": settings.cpus_per_client, "num_gpus": 0.0},

@@ -447,11 +447,6 @@ def test_the_undamaged_state_folder_resumes(run_folder, tmp_path):
 
 
 # ---------------------------------------------------------------- reply metrics
-@pytest.mark.xfail(
-    strict=True,
-    reason="server/loop.py _collect converts train-loss with float() outside its "
-    "try: a list crashes the run, NaN reaches summary.json (fix pending there)",
-)
 @pytest.mark.parametrize("loss", [[1.0, 2.0], float("nan")])
 def test_a_malformed_train_loss_is_data_not_a_crash(tmp_path, loss):
     from tests.server.grid import FakeGrid
