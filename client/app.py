@@ -11,6 +11,12 @@
 - ``evaluate``: evaluates the received arrays on the held-out data.
 
 Errors raised here become error replies: the round goes on without this node.
+
+Differential privacy: a train instruction that carries Flower's ``clipping_norm``
+(``DifferentialPrivacyClientSideFixedClipping`` puts it there) has its update clipped
+before it leaves the node (``clipping_mod``, Flower's ``fixedclipping_mod`` for
+fleetfit's assignments). Replies keep the received arrays' key order, since Flower's DP
+wrappers pair arrays by position.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 from collections.abc import Callable
 
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
@@ -31,6 +38,12 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
+from flwr.supercore.differential_privacy import (
+    KEY_CLIPPING_NORM,
+    compute_clip_model_update,
+)
 
 from client.config import (
     FLEET_DISK,
@@ -114,7 +127,56 @@ def message_bytes(content: RecordDict) -> int:
     return total
 
 
-@app.train()
+def clipping_mod(
+    msg: Message, context: Context, call_next: ClientAppCallable
+) -> Message:
+    """Clip this node's update to the instruction's ``clipping_norm``, if it has one.
+
+    Flower's ``fixedclipping_mod`` for fleetfit's assignments: the update (reply minus
+    received arrays) is clipped to L2 norm ``clipping_norm`` over the keys the reply
+    carries (all of them for ``full``, the window and head for ``part``; a ``none``
+    reply has no arrays and passes unchanged). Integer buffers (BatchNorm's step
+    counters) are neither counted nor scaled. Without ``clipping_norm`` the reply
+    passes unchanged (the server did not ask for client-side clipping).
+    """
+    config = msg.content.config_records.get(protocol.CONFIG, ConfigRecord())
+    if KEY_CLIPPING_NORM not in config:
+        return call_next(msg, context)
+    norm = config[KEY_CLIPPING_NORM]
+    if isinstance(norm, bool) or not isinstance(norm, int | float) or not norm > 0:
+        return Message(
+            Error(
+                ErrorCode.MOD_FAILED_PRECONDITION,
+                f"clipping_norm={norm!r} must be a positive number",
+            ),
+            reply_to=msg,
+        )
+    received = msg.content.array_records.get(protocol.ARRAYS)
+    reply = call_next(msg, context)
+    if reply.has_error() or protocol.ARRAYS not in reply.content.array_records:
+        return reply
+    sent = reply.content.array_records[protocol.ARRAYS]
+    if received is None or not set(sent) <= set(received):
+        return Message(
+            Error(
+                ErrorCode.MOD_FAILED_PRECONDITION,
+                "clipping_mod: the reply carries arrays the node did not receive",
+            ),
+            reply_to=msg,
+        )
+    new = {k: sent[k].numpy() for k in sent}
+    keys = [k for k in sent if new[k].dtype.kind == "f"]
+    trained = [new[k] for k in keys]
+    compute_clip_model_update(trained, [received[k].numpy() for k in keys], float(norm))
+    new.update(zip(keys, trained, strict=True))
+    reply.content.array_records[protocol.ARRAYS] = ArrayRecord(
+        {k: Array(new[k]) for k in sent}
+    )
+    log.info("update clipped to L2 norm %g over %d arrays", norm, len(keys))
+    return reply
+
+
+@app.train(mods=[clipping_mod])
 @_error_reply
 def train(msg: Message, context: Context) -> Message:
     node = _node(context)
@@ -147,6 +209,8 @@ def train(msg: Message, context: Context) -> Message:
         ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
     )
     state = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
+    # the reply keeps the received order: Flower's DP wrappers pair arrays by position
+    order = {k: i for i, k in enumerate(state)}
     batches, num_examples, torch_seed = draw_batches(
         workload,
         node.partition_id,
@@ -192,7 +256,9 @@ def train(msg: Message, context: Context) -> Message:
         report["window"] = [ins.window_start, ins.window_stop]
     content = RecordDict(
         {
-            protocol.ARRAYS: ArrayRecord(result.state),
+            protocol.ARRAYS: ArrayRecord(
+                dict(sorted(result.state.items(), key=lambda kv: order.get(kv[0], -1)))
+            ),
             protocol.METRICS: metrics,
             protocol.REPORT: report,
         }
