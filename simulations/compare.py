@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -83,6 +84,7 @@ def plain_need_bytes(workload: Workload, reserve_bytes: int) -> int:
     return a.plain_need_bytes()
 
 
+@functools.lru_cache(maxsize=8)
 def smallest_model(fleet: Fleet) -> tuple[Workload, int]:
     """The largest shrunk model every device of ``fleet`` trains plainly, and its need.
 
@@ -117,8 +119,11 @@ def settings_for(
     workload: str | None = None,
     cpus_per_client: float = 1.0,
     progress: bool = False,
+    client_measure: str = "auto",
 ) -> SimulationSettings:
-    """The simulation of one strategy on ``fleet``."""
+    """The simulation of one strategy on ``fleet`` (``client_measure``: ``auto``
+    measures every training in a child process, ``inline`` in the client's own, which
+    is quicker and coarser)."""
     check_strategies([strategy])
     return SimulationSettings(
         workload=workload or fleet.workload,
@@ -147,6 +152,7 @@ def settings_for(
         eval_only="onnxruntime" if strategy == "fleetfit" else "off",
         export_onnx="off",
         progress=progress,
+        client_measure=client_measure,
     )
 
 
@@ -157,6 +163,7 @@ def run_strategy(
     *,
     cpus_per_client: float = 1.0,
     progress: bool = False,
+    client_measure: str = "auto",
 ) -> dict[str, Any]:
     """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry."""
     workload = None
@@ -171,6 +178,7 @@ def run_strategy(
         workload=workload,
         cpus_per_client=cpus_per_client,
         progress=progress,
+        client_measure=client_measure,
     )
     t0 = time.monotonic()
     summary = simulate(settings)
@@ -187,6 +195,7 @@ def compare(
     cpus_per_client: float = 1.0,
     progress: bool = False,
     report: bool = True,
+    client_measure: str = "auto",
 ) -> dict[str, Any]:
     """Run each strategy on the same fleet, split and seed; write the comparison.
 
@@ -209,6 +218,7 @@ def compare(
             out / name,
             cpus_per_client=cpus_per_client,
             progress=progress,
+            client_measure=client_measure,
         )
         entries[name]["run_folder"] = name
     metric = next(iter(entries.values()))["metric_name"]
