@@ -54,6 +54,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "final metric among the strategies)",
     )
     p.add_argument(
+        "--ray-address",
+        default="",
+        help="run on an existing Ray cluster (auto, or HEAD:6379) instead of a local "
+        "Ray (see docs/simulations.md)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar (one line per round on stderr)",
@@ -150,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch,
         seq_len=args.seq,
         progress=not args.no_progress,
+        ray_address=args.ray_address,
     )
     settings.validate()  # bad input fails here, before Ray starts
     print(
@@ -214,9 +221,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     from fleetfit.cli import interrupted
 
     signal.signal(signal.SIGINT, interrupted)
-    progress = not args.no_progress
+    engine = {"progress": not args.no_progress, "ray_address": args.ray_address}
     if args.compare is None:
-        entry = run_strategy(fleet, names[0], out, progress=progress)
+        entry = run_strategy(fleet, names[0], out, **engine)
         from simulations.report import format_table
 
         result = {
@@ -232,7 +239,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         return 0
     from simulations.report import format_table
 
-    result = compare(fleet, names, out, target=args.target, progress=progress)
+    result = compare(fleet, names, out, target=args.target, **engine)
     print(format_table(result))
     print(f"\nrun folders: {out}/<strategy>; report: {out}/report.md")
     return 0

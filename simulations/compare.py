@@ -117,14 +117,19 @@ def settings_for(
     out: str | Path,
     *,
     workload: str | None = None,
-    cpus_per_client: float = 1.0,
-    progress: bool = False,
-    client_measure: str = "auto",
+    **engine: Any,
 ) -> SimulationSettings:
-    """The simulation of one strategy on ``fleet`` (``client_measure``: ``auto``
+    """The simulation of one strategy on ``fleet``.
+
+    ``engine``: ``SimulationSettings`` fields of how it runs, not what it simulates:
+    ``cpus_per_client``, ``progress``, ``ray_address``, ``client_measure`` (``auto``
     measures every training in a child process, ``inline`` in the client's own, which
-    is quicker and coarser)."""
+    is quicker and coarser).
+    """
     check_strategies([strategy])
+    allowed = {"cpus_per_client", "progress", "ray_address", "client_measure"}
+    if set(engine) - allowed:
+        raise TypeError(f"unknown engine option(s) {sorted(set(engine) - allowed)}")
     return SimulationSettings(
         workload=workload or fleet.workload,
         num_clients=fleet.clients,
@@ -136,7 +141,6 @@ def settings_for(
         fraction_train=fleet.fraction,
         seed=fleet.seed,
         out=str(out),
-        cpus_per_client=cpus_per_client,
         batch_size=fleet.batch_size,
         seq_len=fleet.seq_len,
         memory_budgets=tuple(str(b) for b in fleet.budgets),
@@ -151,35 +155,21 @@ def settings_for(
         strategy="fleetfit" if strategy == "fleetfit" else "exclude",
         eval_only="onnxruntime" if strategy == "fleetfit" else "off",
         export_onnx="off",
-        progress=progress,
-        client_measure=client_measure,
+        **engine,
     )
 
 
 def run_strategy(
-    fleet: Fleet,
-    strategy: str,
-    out: str | Path,
-    *,
-    cpus_per_client: float = 1.0,
-    progress: bool = False,
-    client_measure: str = "auto",
+    fleet: Fleet, strategy: str, out: str | Path, **engine: Any
 ) -> dict[str, Any]:
-    """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry."""
+    """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry
+    (``engine``: see ``settings_for``)."""
     workload = None
     if strategy == "smallest-model":
         shrunk, need = smallest_model(fleet)
         workload = shrunk.name
         log.info("smallest-model: %s (plain step needs %d bytes)", workload, need)
-    settings = settings_for(
-        fleet,
-        strategy,
-        out,
-        workload=workload,
-        cpus_per_client=cpus_per_client,
-        progress=progress,
-        client_measure=client_measure,
-    )
+    settings = settings_for(fleet, strategy, out, workload=workload, **engine)
     t0 = time.monotonic()
     summary = simulate(settings)
     wall = time.monotonic() - t0
@@ -192,15 +182,14 @@ def compare(
     out: str | Path,
     *,
     target: float | None = None,
-    cpus_per_client: float = 1.0,
-    progress: bool = False,
     report: bool = True,
-    client_measure: str = "auto",
+    **engine: Any,
 ) -> dict[str, Any]:
     """Run each strategy on the same fleet, split and seed; write the comparison.
 
     ``target``: the metric for "rounds to target" (default: the worst final metric
-    among the strategies, the quality every one of them reaches).
+    among the strategies, the quality every one of them reaches). ``engine``: see
+    ``settings_for``.
     """
     names = check_strategies(strategies)
     if target is not None and not (math.isfinite(target) and target > 0):
@@ -212,14 +201,7 @@ def compare(
     entries: dict[str, dict[str, Any]] = {}
     for name in names:
         log.info("strategy %s on fleet %s", name, fleet.name)
-        entries[name] = run_strategy(
-            fleet,
-            name,
-            out / name,
-            cpus_per_client=cpus_per_client,
-            progress=progress,
-            client_measure=client_measure,
-        )
+        entries[name] = run_strategy(fleet, name, out / name, **engine)
         entries[name]["run_folder"] = name
     metric = next(iter(entries.values()))["metric_name"]
     higher = metric == "accuracy"

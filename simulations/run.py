@@ -59,6 +59,8 @@ class SimulationSettings:
     eval_only: str = "onnxruntime"  # [eval-only]
     export_onnx: str = "end"  # [export-onnx]
     progress: bool = False  # a progress bar on stderr, one step per round
+    ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
+    #   start a local Ray on this machine
 
     def server_config(self) -> ServerConfig:
         cfg = ServerConfig(
@@ -165,9 +167,12 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
                 x for x in (allowed, settings.workload) if x
             )
     Path(settings.out).mkdir(parents=True, exist_ok=True)
+    init_args: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if settings.ray_address:
+        init_args["address"] = settings.ray_address
     backend_config = {
         "client_resources": {"num_cpus": settings.cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"include_dashboard": False, "log_to_driver": True},
+        "init_args": init_args,
     }
     bar = (
         RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.rounds)

@@ -19,6 +19,16 @@ from fleetfit.cmd_simulate import format_rounds
         (["--clients", "5000"], "5000 clients but only 1442 items"),
         (["--split", "natural", "--clients", "11"], "10 groups for 11 clients"),
         (["--fraction", "2"], "fraction-train=2.0"),
+        (["--strategy", "exclude"], "--strategy needs --fleet"),
+        (["--fleet", "nowhere"], "neither a file nor a shipped fleet"),
+        (["--fleet", "edge", "--strategy", "best"], "unknown strategy 'best'"),
+        (
+            ["--fleet", "edge", "--strategy", "exclude", "--compare", "fleetfit"],
+            "not both",
+        ),
+        (["--fleet", "edge", "--workload", "gpt-tiny"], "--workload comes from"),
+        (["--fleet", "edge", "--fraction", "2"], "fraction = 2.0"),
+        (["--fleet", "edge", "--target", "0.5"], "--target applies to --compare"),
     ],
 )
 def test_simulate_rejects_bad_input_fast(args, needle, capsys):
