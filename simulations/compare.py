@@ -40,6 +40,8 @@ from workloads.splits import class_groups, split_indices
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("fleetfit", "exclude", "smallest-model")
+CLASS_EVAL_WINDOWS = 64
+"""Held-out windows per device class for a language model's per-class metric."""
 SCALES = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 """The model sizes ``smallest-model`` tries, largest first (``NAME@SCALE``)."""
 
@@ -321,8 +323,9 @@ def class_eval(
 ) -> dict[str, float]:
     """The final model's metric on each class's own held-out data.
 
-    With a natural split a class's data is the held-out items of the groups it owns;
-    with iid or Dirichlet splits every class is measured on the whole held-out set.
+    With a natural split a class's data is the held-out items of the groups it owns
+    (for language models its first ``CLASS_EVAL_WINDOWS`` windows); with iid or
+    Dirichlet splits every class is measured on the whole held-out set.
     """
     import torch
 
@@ -347,6 +350,8 @@ def class_eval(
         for k, c in enumerate(fleet.classes):
             mine = [g for g, o in owner.items() if o == k]
             idx = np.flatnonzero(np.isin(test.groups, mine))
+            if wl.kind == "lm":
+                idx = idx[:CLASS_EVAL_WINDOWS]
             if len(idx):
                 out[c.name] = trained.evaluate(model, test.subset(idx))[metric]
     else:
