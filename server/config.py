@@ -61,6 +61,11 @@ class ServerConfig:
     export_onnx: str = "end"  # [export-onnx] end | every-round | off: write
     #   model.onnx and export.json to the run folder
     export_quantize: bool = False  # [export-quantize] also model.int8.onnx
+    dp_clipping_norm: float = 0.0  # [dp-clipping-norm] > 0: central differential
+    #   privacy: every update's change clipped to this L2 norm, uniform average
+    #   (server/privacy.py); nodes also clip before sending. 0: off
+    dp_noise_multiplier: float = 0.0  # [dp-noise-multiplier] Gaussian noise of
+    #   this many clipping norms on the sum of clipped changes
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
@@ -165,6 +170,18 @@ class ServerConfig:
                     self.fleet_classes,
                     "class indices >= 0, one per partition, comma-separated",
                 )
+        for key, value in (
+            ("dp-clipping-norm", self.dp_clipping_norm),
+            ("dp-noise-multiplier", self.dp_noise_multiplier),
+        ):
+            if not (value >= 0 and math.isfinite(value)):
+                raise bad(key, value, "must be a number >= 0")
+        if self.dp_noise_multiplier > 0 and not self.dp_clipping_norm > 0:
+            raise bad(
+                "dp-noise-multiplier",
+                self.dp_noise_multiplier,
+                "needs dp-clipping-norm > 0 (noise is scaled by the clipping norm)",
+            )
         if self.strategy not in STRATEGIES:
             raise bad("strategy", self.strategy, " or ".join(STRATEGIES))
         if not self.round_timeout_s > 0 or not self.node_wait_s > 0:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
-from server import persist, protocol
+from server import persist, privacy, protocol
 from server.aggregate import Update, accept_updates, weighted_average
 from server.assign import Assigner, Assignment, trained_keys
 from server.config import ServerConfig
@@ -78,10 +78,18 @@ class Federation:
         A node that cannot answer (a plain Flower ClientApp has no query handler) is
         still used: it gets the whole model and trains it as it sees fit.
         """
-        new = [n for n in self.transport.node_ids() if n not in self.nodes]
+        live = self.transport.node_ids()
+        new = [n for n in live if n not in self.nodes]
         if not new:
             return
-        replies = self.transport.query(new, self.cfg.round_timeout_s)
+        # Without any known node there is no round to hold up: wait as long as for
+        # the nodes themselves (a node's first reply may start a process and import
+        # torch, slower than a short round timeout), else one round's timeout.
+        known = any(n in self.nodes for n in live)
+        timeout = self.cfg.round_timeout_s
+        if not known:
+            timeout = max(timeout, self.cfg.node_wait_s)
+        replies = self.transport.query(new, timeout)
         for node_id in new:
             reply = replies.get(node_id)
             if reply is None:
@@ -205,11 +213,39 @@ class Federation:
             )
         replies = self.transport.train(instructions, server_round, cfg.round_timeout_s)
         updates, train_losses, errors, reports = self._collect(replies, assignments)
+        if not sampled:
+            msg = (
+                f"round {server_round}: no node to sample: none of the "
+                f"{len(self.transport.node_ids())} connected node(s) has answered its "
+                "query (or every known node is offline)"
+            )
+            log.warning(msg)
+            errors.append(msg)
         accepted, rejected = accept_updates(
             updates, reference, norm_factor=cfg.norm_bound
         )
         changed = len(accepted) >= max(1, cfg.min_replies)
-        if changed:
+        dp_record: dict[str, Any] | None = None
+        if changed and cfg.dp_clipping_norm > 0:
+            counts = privacy.expected_counts(
+                (
+                    None
+                    if a.window is None
+                    else frozenset(trained_keys(self.model, a.window))
+                    for a in assignments.values()
+                    if a.kind != "none"
+                ),
+                reference,
+            )
+            new_state, dp_record = privacy.private_average(
+                accepted,
+                reference,
+                clipping_norm=cfg.dp_clipping_norm,
+                noise_multiplier=cfg.dp_noise_multiplier,
+                counts=counts,
+            )
+            self.model.load_state_dict(new_state)
+        elif changed:
             self.model.load_state_dict(weighted_average(accepted, reference))
         elif sampled:
             msg = (
@@ -241,6 +277,8 @@ class Federation:
         }
         if "perplexity" in metrics:
             record["perplexity"] = metrics["perplexity"]
+        if dp_record is not None:
+            record["dp"] = dp_record
         self.onnx.add_federated_eval(record, reports)
         if errors:
             record["errors"] = errors
@@ -288,7 +326,10 @@ class Federation:
             min_budget_bytes=a.min_budget_bytes,
             reason=a.reason,
         )
-        return ConfigRecord(dict(ins.to_config()))
+        config = ConfigRecord(dict(ins.to_config()))
+        if cfg.dp_clipping_norm > 0:  # nodes clip too (client.app's clipping_mod)
+            config[privacy.KEY_CLIPPING_NORM] = cfg.dp_clipping_norm
+        return config
 
     def _assignment_record(
         self, node_id: int, a: Assignment, report: dict[str, Any] | None

@@ -38,7 +38,6 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import compute_stdv
 
 import client.app as ca
-import server.loop
 from server import privacy, protocol
 from server.aggregate import Update
 from server.app import FlowerTransport
@@ -296,27 +295,15 @@ def test_noise_is_not_seeded_by_default():
     assert not torch.equal(a["w"], b["w"])
 
 
-def test_fleetfits_loop_with_private_averaging_mixed_full_and_part(
-    tmp_path, monkeypatch
-):
-    """The lead's loop with ``weighted_average`` replaced by ``private_average``: what
-    a ``dp-clipping-norm`` run-config key would do (counts from the updates here)."""
+def test_fleetfits_loop_with_private_averaging_mixed_full_and_part(tmp_path):
+    """``dp-clipping-norm`` in fleetfit's own loop: full and part nodes both clipped,
+    the uniform average's change bounded, the round's record carries the DP facts."""
     wl = get_workload("digits-cnn")
     a = Assigner(
         wl, wl.make_model(0), local_steps=5, runtime_reserve_bytes=0, train_time_s=1e3
     )
     head_min, whole_min = a._min_budget(3, 3, 0), a._min_budget(0, 3, 0)
     clip = 0.5
-    per_round = []
-
-    def dp_average(accepted, reference):
-        state, rec = privacy.private_average(
-            accepted, reference, clipping_norm=clip, noise_multiplier=0.0
-        )
-        per_round.append((rec, privacy.update_norm(state, reference)))
-        return state
-
-    monkeypatch.setattr(server.loop, "weighted_average", dp_average)
     cfg = ServerConfig(
         num_server_rounds=2,
         local_steps=5,
@@ -327,20 +314,30 @@ def test_fleetfits_loop_with_private_averaging_mixed_full_and_part(
         norm_bound=0.0,
         fleet_memory_budgets=f"{10 * whole_min},{(head_min + whole_min) // 2}",
         fleet_disk_budgets="0",
+        dp_clipping_norm=clip,
+        dp_noise_multiplier=0.0,
     )
     summary = Federation(
         cfg, FlowerTransport(FakeGrid(nodes(2)), query_config=cfg.fleet())
     ).run()
+    previous = wl.make_model(0).state_dict()
+    from server.persist import load_state
+
     for r in summary["rounds"]:
         assert {x["kind"] for x in r["assignments"]} == {"full", "part"}
         assert r["num_clients"] == 2
-    assert len(per_round) == 2
-    for rec, change in per_round:
-        # both clipped; per-key means of two changes of norm clip: keys only the full
-        # node trains move by its whole change, so the bound is 2 x clip, not clip
-        assert rec["num_clipped"] == 2 and 0 < change <= 2 * clip
-    state, _ = load_model(tmp_path / "run" / "model.safetensors")
-    assert all(torch.isfinite(v).all() for v in state.values())
+        rec = r["dp"]
+        # nodes clip before sending (clipping_mod) and the server clips again: every
+        # update arrives with a norm of at most clip
+        assert rec["clipping_norm"] == clip and len(rec["update_norms"]) == 2
+        assert all(n <= clip * (1 + 1e-4) for n in rec["update_norms"])
+    state = load_state(tmp_path / "run")[1]
+    # per-key means of two changes of norm <= clip: keys only the full node trains
+    # move by its whole change, so the bound over two rounds is 2 x 2 x clip
+    change = privacy.update_norm(state, previous)
+    assert 0 < change <= 4 * clip
+    saved, _ = load_model(tmp_path / "run" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in saved.values())
 
 
 # ------------------------------------------------------------- SecAgg+

@@ -105,9 +105,39 @@ def test_nodes_given_a_budget_are_measured_in_a_child(tmp_path):
         ("fleet_availability", "x", "probabilities"),
         ("fleet_classes", "0,a", "class indices"),
         ("fleet_classes", "0,-1", "class indices"),
+        ("dp_clipping_norm", -1.0, "must be a number >= 0"),
+        ("dp_noise_multiplier", 1.0, "needs dp-clipping-norm > 0"),
     ],
 )
 def test_bad_fleet_keys_are_refused(key, value, needle):
     with pytest.raises(ValueError) as e:
         ServerConfig(**{key: value}).validate()
     assert needle in str(e.value) and repr(value) in str(e.value)
+
+
+def test_first_discovery_waits_node_wait_and_an_empty_round_says_why(tmp_path):
+    class Mute(FakeGrid):  # connected nodes that never answer a query
+        def _deliver(self, msg):
+            if msg.metadata.message_type == "query":
+                self.log.append(("query", msg.metadata.dst_node_id))
+                return None
+            return super()._deliver(msg)
+
+    from server.app import FlowerTransport
+    from server.loop import Federation
+
+    cfg = config(tmp_path, num_server_rounds=2, round_timeout_s=5.0, node_wait_s=50.0)
+    transport = FlowerTransport(Mute(nodes(2)), query_config=cfg.fleet())
+    timeouts = []
+    query = transport.query
+
+    def spy(node_ids, timeout_s):
+        timeouts.append(timeout_s)
+        return query(node_ids, timeout_s)
+
+    transport.query = spy  # type: ignore[method-assign]
+    summary = Federation(cfg, transport).run()
+    assert timeouts == [50.0, 50.0]  # nothing known yet: as long as for the nodes
+    for r in summary["rounds"]:
+        assert r["num_sampled"] == 0
+        assert any("no node to sample" in e for e in r["errors"])
