@@ -11,6 +11,13 @@ Budgets, in order of precedence:
 3. measured: ``MEMORY_SHARE`` of the memory available now (``MemAvailable``), and
    ``DISK_SHARE`` of the free space in the offload directory.
 
+A budget this device cannot honour is reported with the measured figure (a logged
+warning, kept in ``NodeConfig.warnings``): a ``memory-budget`` above the device's total
+memory, a disk budget above the free space in the offload directory, a measured disk
+budget in a (nearly) full offload directory. An offload directory that is not
+writable fails a given disk budget (``ValueError`` naming the directory and the fix)
+and turns a measured one into 0 (nothing is offloaded), before any training.
+
 Workloads: a node imports only the built-in workloads and the ``module:function``
 workloads its operator allows, so that a run config cannot make every device import
 arbitrary code. The allow-list is ``allow-workloads`` in the node config
@@ -22,6 +29,7 @@ gives virtual nodes no node config of their own): comma-separated entries
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -30,7 +38,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from memory.sizes import parse_bytes
+from memory.sizes import format_bytes, parse_bytes
+
+log = logging.getLogger(__name__)
 
 MEMORY_SHARE = 0.5
 """Share of the available memory a node without ``memory-budget`` uses for training."""
@@ -45,6 +55,15 @@ ALLOW_WORKLOADS = "allow-workloads"
 """Node-config key: the ``module:function`` workloads this node may import."""
 ALLOW_WORKLOADS_ENV = "FLEETFIT_ALLOW_WORKLOADS"
 """Environment variable read when the node config has no ``allow-workloads``."""
+
+NEARLY_FULL_BYTES = 2**20
+"""Free space below which a measured disk budget is reported (nothing to offload)."""
+
+_OFFLOAD_FIX = (
+    "choose another directory (node config offload-dir, fleetfit client "
+    "--offload-dir), free space there, or set disk-budget=0 to train without disk"
+)
+_reported: set[str] = set()  # warnings logged once per process
 
 _ALLOW_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:([A-Za-z_]\w*|\*)$")
 
@@ -69,6 +88,7 @@ class NodeConfig:
             has < 1; ``fleet-speeds``), 1.0 otherwise.
         allowed_workloads: the ``module:function`` workloads (or ``module:*``, ``*``)
             this node may import besides the built-ins (``allow-workloads``).
+        warnings: budgets this device cannot honour, with the measured figures.
     """
 
     partition_id: int
@@ -79,6 +99,7 @@ class NodeConfig:
     offload_dir: str = ""
     speed_factor: float = 1.0
     allowed_workloads: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @classmethod
     def from_node_config(
@@ -119,18 +140,65 @@ class NodeConfig:
             source = "fleet"
         else:
             budget = int(MEMORY_SHARE * available_memory_bytes())
+        disk_key = None
         if "disk-budget" in node_config:
             disk = parse_bytes(
                 node_config["disk-budget"], what="disk-budget", allow_zero=True
             )
+            disk_key = "disk-budget"
         elif _entry(fleet.get(FLEET_DISK), pid) is not None:
             disk = parse_bytes(
                 _entry(fleet.get(FLEET_DISK), pid) or "0",
                 what=FLEET_DISK,
                 allow_zero=True,
             )
+            disk_key = FLEET_DISK
         else:
             disk = int(DISK_SHARE * free_disk_bytes(offload_dir))
+        notes = []
+        if source == "node-config":
+            total = total_memory_bytes()
+            if budget > total:
+                notes.append(
+                    f"memory-budget {format_bytes(budget)} ({budget} bytes) is more "
+                    f"than this device's total memory, {format_bytes(total)} ({total} "
+                    "bytes, MemTotal): plans made for it can exhaust the device; give "
+                    "a smaller memory-budget, or none to use "
+                    f"{MEMORY_SHARE:.0%} of the available memory"
+                )
+        if disk > 0 or disk_key is None:
+            problem = offload_dir_problem(offload_dir)
+            if problem is not None and disk_key is not None:
+                raise ValueError(
+                    f"offload directory {offload_dir!r} is not writable ({problem}) "
+                    f"but {disk_key} gives {format_bytes(disk)} of disk there; "
+                    f"{_OFFLOAD_FIX}"
+                )
+            if problem is not None:
+                notes.append(
+                    f"offload directory {offload_dir!r} is not writable ({problem}): "
+                    f"this node offloads nothing (disk budget 0); {_OFFLOAD_FIX}"
+                )
+                disk = 0
+            else:
+                free = free_disk_bytes(offload_dir)
+                if disk_key is not None and disk > free:
+                    notes.append(
+                        f"{disk_key} {format_bytes(disk)} ({disk} bytes) is more than "
+                        f"the {format_bytes(free)} ({free} bytes) free in offload "
+                        f"directory {offload_dir!r}: a plan that uses more than that "
+                        f"fails before training; {_OFFLOAD_FIX}"
+                    )
+                elif disk_key is None and free < NEARLY_FULL_BYTES:
+                    notes.append(
+                        f"offload directory {offload_dir!r} has {format_bytes(free)} "
+                        f"({free} bytes) free: this node offloads nothing; "
+                        f"{_OFFLOAD_FIX}"
+                    )
+        for note in notes:
+            if note not in _reported:
+                _reported.add(note)
+                log.warning("%s", note)
         speed = 1.0
         raw_speed = _entry(fleet.get(FLEET_SPEEDS), pid)
         if raw_speed is not None:
@@ -143,7 +211,9 @@ class NodeConfig:
             if not speed > 0:
                 raise ValueError(f"{FLEET_SPEEDS} entry {raw_speed!r} must be > 0")
         allowed = allowed_workloads(node_config)
-        return cls(pid, num, budget, disk, source, offload_dir, speed, allowed)
+        return cls(
+            pid, num, budget, disk, source, offload_dir, speed, allowed, tuple(notes)
+        )
 
 
 def allowed_workloads(
@@ -228,6 +298,28 @@ def total_memory_bytes() -> int:
 def available_memory_bytes() -> int:
     """Memory available for new work now (``MemAvailable``), bytes."""
     return _meminfo("MemAvailable")
+
+
+def offload_dir_problem(directory: str) -> str | None:
+    """Why files cannot be written in ``directory`` (or, when it does not exist yet,
+    its nearest existing parent, where it would be created); None when they can.
+
+    A probe file is created and removed: what writing there does for whoever runs
+    the node (root writes through mode bits; a read-only mount or a full inode
+    table refuses).
+    """
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"{path!r} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fleetfit-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def free_disk_bytes(directory: str) -> int:
