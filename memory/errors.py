@@ -38,7 +38,8 @@ class OffloadDirError(MemoryPlanError):
     """The offload directory cannot hold what a plan puts on disk.
 
     Raised before training starts, when the directory is missing and cannot be
-    created, is not writable, or has less free space than the plan needs.
+    created, is not writable, or has less free space than the plan needs; and
+    during a step when a write there fails all the same (the disk filled up).
 
     Attributes:
         directory: the offload directory.

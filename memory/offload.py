@@ -29,6 +29,8 @@ from typing import BinaryIO
 
 import torch
 
+from memory.errors import OffloadDirError
+
 logger = logging.getLogger(__name__)
 
 
@@ -112,10 +114,22 @@ class OffloadedActivations:
                 stored.host = _bytes_of(storage).to("cpu", copy=True)
                 self.bytes_offloaded += stored.nbytes
             else:
-                if self._file is None:
-                    self._file = open(self.path, "wb+")  # noqa: SIM115 - closed in release
-                stored.file_offset = self._file.tell()
-                self._file.write(_bytes_of(storage).numpy().data)
+                try:
+                    if self._file is None:
+                        self._file = open(self.path, "wb+")  # noqa: SIM115 - released
+                    stored.file_offset = self._file.tell()
+                    self._file.write(_bytes_of(storage).numpy().data)
+                    self._file.flush()
+                except OSError as e:  # full or vanished: name the place and the fix
+                    raise OffloadDirError(
+                        f"offloading activations to {self.path} failed after "
+                        f"{self.bytes_offloaded} bytes ({e.strerror or e}): free space "
+                        "there, choose another offload directory, or give a disk "
+                        "budget of 0 (no offload)",
+                        directory=str(Path(self.path).parent),
+                        bytes_needed=self.bytes_offloaded + stored.nbytes,
+                        bytes_free=None,
+                    ) from e
                 self.bytes_offloaded += stored.nbytes
             stored.tensor = None
         self._pending = {}

@@ -17,6 +17,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from client import config as node_cfg
@@ -251,3 +252,23 @@ def test_fleet_disk_budget_above_the_free_space_is_reported(tmp_path):
     )
     (note,) = node.warnings
     assert node_cfg.FLEET_DISK in note and str(tmp_path) in note and "free" in note
+
+
+def test_a_disk_that_fills_during_a_step_is_an_offload_dir_error(full_dir):
+    """Checks before training trust the plan's disk figure; if the disk fills all the
+    same, the write fails with the directory and the fix, not a bare OSError."""
+    from torch import nn
+
+    from memory.errors import OffloadDirError
+    from memory.offload import ActivationOffload
+
+    offload = ActivationOffload(full_dir)
+    block = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x = torch.randn(512, 256, requires_grad=True)
+    acts = offload.activations("0", keep=[x])
+    with acts.hooks():
+        out = block(x)
+    with pytest.raises(OffloadDirError) as e:
+        acts.commit(out)
+    assert str(full_dir) in str(e.value) and "disk budget of 0" in str(e.value)
+    assert e.value.directory == str(full_dir)
