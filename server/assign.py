@@ -151,19 +151,13 @@ class Assigner:
                     continue
                 return self._timed("part", budget, disk, plan, (start, stop), facts)
         need = (smallest or 0) + self.reserve
-        return Assignment(
-            "none",
+        return _nothing(
             budget,
             disk,
-            None,
-            None,
-            0,
-            min_budget_bytes=need,
-            reason=(
-                f"a memory budget of {budget} bytes cannot train even the head "
-                f"(block {self.names[-1]!r}) with a disk budget of {disk} bytes; the "
-                f"smallest budget that gets a part is {need} bytes"
-            ),
+            need,
+            f"a memory budget of {budget} bytes cannot train even the head "
+            f"(block {self.names[-1]!r}) with a disk budget of {disk} bytes; the "
+            f"smallest budget that gets a part is {need} bytes",
         )
 
     @property
@@ -189,18 +183,12 @@ class Assigner:
         need = self.plain_need_bytes()
         if need <= budget:
             return self._timed("full", budget, disk, self.plain_plan, None, facts)
-        return Assignment(
-            "none",
+        return _nothing(
             budget,
             disk,
-            None,
-            None,
-            0,
-            min_budget_bytes=need,
-            reason=(
-                f"excluded: the plain training step needs {need} bytes, more than the "
-                f"memory budget of {budget} bytes"
-            ),
+            need,
+            f"excluded: the plain training step needs {need} bytes, more than the "
+            f"memory budget of {budget} bytes",
         )
 
     def _timed(
@@ -249,6 +237,13 @@ class Assigner:
     ) -> set[str]:
         """The state-dict keys a reply to this assignment must carry."""
         return set(trained_keys(model, window))
+
+
+def _nothing(budget: int, disk: int, need: int, reason: str) -> Assignment:
+    """A ``none`` assignment: nothing to train, the budget that would get work."""
+    return Assignment(
+        "none", budget, disk, None, None, 0, min_budget_bytes=need, reason=reason
+    )
 
 
 def part_profile(profile: Profile, start: int, stop: int) -> Profile:
