@@ -40,17 +40,10 @@ from flwr.supercore.differential_privacy import compute_stdv
 import client.app as ca
 from server import privacy, protocol
 from server.aggregate import Update
-from server.app import FlowerTransport
-from server.assign import Assigner
-from server.config import ServerConfig
-from server.loop import Federation
 from server.persist import load_model
 from tests.server.grid import FakeGrid
+from tests.server.test_federation import config, digits_mins, federate, nodes
 from workloads import get_workload
-
-
-def nodes(n, app=ca.app):
-    return {2000 + i: (app, {"partition-id": i, "num-partitions": n}) for i in range(n)}
 
 
 def float_norm(state, reference):
@@ -298,29 +291,18 @@ def test_noise_is_not_seeded_by_default():
 def test_fleetfits_loop_with_private_averaging_mixed_full_and_part(tmp_path):
     """``dp-clipping-norm`` in fleetfit's own loop: full and part nodes both clipped,
     the uniform average's change bounded, the round's record carries the DP facts."""
-    wl = get_workload("digits-cnn")
-    a = Assigner(
-        wl, wl.make_model(0), local_steps=5, runtime_reserve_bytes=0, train_time_s=1e3
-    )
-    head_min, whole_min = a._min_budget(3, 3, 0), a._min_budget(0, 3, 0)
+    head_min, whole_min = digits_mins()
     clip = 0.5
-    cfg = ServerConfig(
-        num_server_rounds=2,
-        local_steps=5,
-        min_nodes=1,
-        out=str(tmp_path / "run"),
-        client_measure="inline",
-        runtime_reserve="0",
+    cfg = config(
+        tmp_path,
         norm_bound=0.0,
         fleet_memory_budgets=f"{10 * whole_min},{(head_min + whole_min) // 2}",
         fleet_disk_budgets="0",
         dp_clipping_norm=clip,
         dp_noise_multiplier=0.0,
     )
-    summary = Federation(
-        cfg, FlowerTransport(FakeGrid(nodes(2)), query_config=cfg.fleet())
-    ).run()
-    previous = wl.make_model(0).state_dict()
+    summary = federate(cfg, FakeGrid(nodes(2)))
+    previous = get_workload("digits-cnn").make_model(0).state_dict()
     from server.persist import load_state
 
     for r in summary["rounds"]:
