@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 from memory.errors import MemoryPlanError
 
@@ -27,6 +28,9 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+#: The largest size accepted (2**80 bytes, about 1.2e24): anything larger is a typo,
+#: and keeping sizes bounded keeps the exact arithmetic below cheap.
+MAX_BYTES = 2**80
 _SIZE = re.compile(
     r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$"
 )
@@ -49,13 +53,14 @@ def parse_bytes(
     fix = 'use a number of bytes or a size with a unit, e.g. "512MB" or "1.5GiB"'
     if isinstance(text, bool):
         raise MemoryPlanError(f"{what} {text!r} is not a size; {fix}")
-    if isinstance(text, int | float):
-        if isinstance(text, float) and not math.isfinite(text):
+    too_large = f"{what} {text!r} is too large (the largest size is 2**80 bytes)"
+    value: Fraction
+    if isinstance(text, int):
+        value = Fraction(text)
+    elif isinstance(text, float):
+        if not math.isfinite(text):
             raise MemoryPlanError(f"{what} {text!r} is not a finite size; {fix}")
-        try:
-            value = float(text)
-        except OverflowError:
-            raise MemoryPlanError(f"{what} {text!r} is too large") from None
+        value = Fraction(text)
     elif isinstance(text, str):
         stripped = text.strip()
         if stripped.startswith("-"):
@@ -64,20 +69,46 @@ def parse_bytes(
         unit = m.group(3).lower() if m else None
         if not m or unit not in _UNITS:
             raise MemoryPlanError(f"cannot parse {what} {text!r}; {fix}")
-        # float() of the whole literal: 10 ** int(exponent) would build a huge
-        # integer for an exponent such as "1e999999999"; float() gives inf at once.
-        value = float(f"{m.group(1)}e{m.group(2) or 0}") * _UNITS[unit]
+        value = _exact(m.group(1), m.group(2), too_large) * _UNITS[unit]
     else:
         raise MemoryPlanError(f"{what} {text!r} is not a size; {fix}")
     if value < 0:
         raise MemoryPlanError(f"{what} {text!r} is negative; {fix}")
-    if not math.isfinite(value):
-        raise MemoryPlanError(f"{what} {text!r} is too large")
-    if value != int(value):
+    if value > MAX_BYTES:
+        raise MemoryPlanError(too_large)
+    if value.denominator != 1:
         raise MemoryPlanError(f"{what} {text!r} is not a whole number of bytes")
     if value == 0 and not allow_zero:
         raise MemoryPlanError(f"{what} must be greater than zero, got {text!r}; {fix}")
     return int(value)
+
+
+def _exact(mantissa: str, exponent: str | None, too_large: str) -> Fraction:
+    """The exact value of ``mantissa`` x 10**``exponent`` (decimal digits, no sign).
+
+    Sizes are exact: a float would turn "72057594037929kB" into 72057594037928992.
+    The exponent is bounded before any power is built, so "1e999999999" is refused
+    at once instead of building a billion-digit integer.
+    """
+    digits = mantissa.replace(".", "")
+    if not digits.strip("0"):
+        return Fraction(0)
+    whole = mantissa.split(".")[0].lstrip("0")
+    # the decimal exponent of the leading digit bounds the magnitude
+    try:
+        exp = int(exponent or 0)
+    except ValueError:  # more digits than int() converts
+        exp = -(10**9) if exponent and exponent.startswith("-") else 10**9
+    if whole:
+        magnitude = exp + len(whole) - 1
+    else:
+        fraction = mantissa.split(".")[1]
+        magnitude = exp - (len(fraction) - len(fraction.lstrip("0"))) - 1
+    if magnitude > 30:  # >= 1e31 bytes before the unit: above MAX_BYTES
+        raise MemoryPlanError(too_large)
+    if magnitude < -len(digits) - 20:  # far below one byte: not whole, stays cheap
+        return Fraction(1, 2)
+    return Fraction(mantissa) * Fraction(10) ** exp
 
 
 def format_bytes(n: int | float) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from client.config import NodeConfig, check_workload_allowed
@@ -88,10 +88,30 @@ def test_sizes_of_any_type(value):
 
 @common
 @given(st.integers(min_value=1, max_value=2**50), st.sampled_from(["", "kB", "MiB"]))
+@example(n=72_057_594_037_929, unit="kB")  # once: 72057594037928992 (float rounding)
 def test_good_sizes_are_exact(n, unit):
     scale = {"": 1, "kB": 1000, "MiB": 2**20}[unit]
     assert parse_bytes(f"{n}{unit}") == n * scale
     assert parse_bytes(f" {n} {unit} ") == n * scale
+
+
+@common
+@given(st.integers(min_value=1, max_value=2**60))
+def test_decimal_forms_are_exact(n):
+    # n/1000 kB, n*10**-3 kB and n e-3 kB are all n bytes, with no float rounding
+    text = f"{n // 1000}.{n % 1000:03d}"
+    assert parse_bytes(f"{text}kB") == n
+    assert parse_bytes(f"{n}e-3kB") == n
+    assert parse_bytes(f"{n}.0") == n
+    with pytest.raises(MemoryPlanError, match="whole number"):
+        parse_bytes(f"{n}.5")
+
+
+def test_sizes_above_the_largest_are_refused():
+    assert parse_bytes(2**80) == 2**80
+    for text in (2**80 + 1, "1e31", "1.3e24", "1e999999999GB", f"1e{'9' * 5000}"):
+        with pytest.raises(MemoryPlanError, match="too large"):
+            parse_bytes(text)
 
 
 # ---------------------------------------------------------------- run configs
