@@ -121,13 +121,15 @@ class OffloadedActivations:
                     self._file.write(_bytes_of(storage).numpy().data)
                     self._file.flush()
                 except OSError as e:  # full or vanished: name the place and the fix
+                    done = self.bytes_offloaded
+                    self.release()  # close and remove the partial file: free the disk
                     raise OffloadDirError(
                         f"offloading activations to {self.path} failed after "
-                        f"{self.bytes_offloaded} bytes ({e.strerror or e}): free space "
+                        f"{done} bytes ({e.strerror or e}): free space "
                         "there, choose another offload directory, or give a disk "
                         "budget of 0 (no offload)",
                         directory=str(Path(self.path).parent),
-                        bytes_needed=self.bytes_offloaded + stored.nbytes,
+                        bytes_needed=done + stored.nbytes,
                         bytes_free=None,
                     ) from e
                 self.bytes_offloaded += stored.nbytes

@@ -272,3 +272,5 @@ def test_a_disk_that_fills_during_a_step_is_an_offload_dir_error(full_dir):
         acts.commit(out)
     assert str(full_dir) in str(e.value) and "disk budget of 0" in str(e.value)
     assert e.value.directory == str(full_dir)
+    # the partial file is closed and removed: the disk is given back, nothing held open
+    assert sorted(p.name for p in full_dir.iterdir()) == ["filler"]
