@@ -193,6 +193,59 @@ class Fleet:
         self.procs.clear()
         cleanup()
 
+    def _inside(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` as a command that runs in host ``i``'s cgroup and namespace."""
+        root, _ = _cgroup_root() or (None, "")
+        assert root is not None
+        cg = root / f"{PREFIX}{i}" / "cgroup.procs"
+        script = 'echo $$ > "$0" && exec ip netns exec "$1" "${@:2}"'
+        return ["bash", "-c", script, str(cg), self.namespace(i), *argv]
+
+    def run_on_all(self, argv: list[str], *, timeout_s: float = 300.0) -> list[str]:
+        """Run ``argv`` on every host at once (each in its namespace and CPU quota,
+        as the ranks will run); each host's standard output, in host order.
+
+        For probes: what a host really delivers under its quota, measured where and
+        beside whom the ranks will run (a CFS quota gives less than its share).
+        """
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(
+                [
+                    str(Path(__file__).resolve().parents[1]),
+                    os.getcwd(),
+                    env.get("PYTHONPATH", ""),
+                ]
+            ),
+        )
+        procs = [
+            subprocess.Popen(
+                self._inside(i, argv),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for i in range(len(self.hosts))
+        ]
+        self.procs = list(procs)  # killed by close() on an error
+        outs = []
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"{argv[:3]} on host {i} passed {timeout_s} s"
+                ) from None
+            if p.returncode != 0:
+                raise RuntimeError(
+                    f"{argv[:3]} on host {i} exited with {p.returncode}:\n{err[-2000:]}"
+                )
+            outs.append(out)
+        return outs
+
     def run_ranks(
         self,
         plan_file: str | Path,
@@ -205,8 +258,6 @@ class Fleet:
         extra: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Start rank i in host i's namespace and cgroup; wait; read the results."""
-        root, _ = _cgroup_root() or (None, "")
-        assert root is not None
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         repo = str(Path(__file__).resolve().parents[1])
@@ -238,9 +289,7 @@ class Fleet:
                 "--threads=1",
                 *(extra or []),
             ]
-            cg = root / f"{PREFIX}{i}" / "cgroup.procs"
-            script = 'echo $$ > "$0" && exec ip netns exec "$1" "${@:2}"'
-            cmd = ["bash", "-c", script, str(cg), self.namespace(i), *worker]
+            cmd = self._inside(i, worker)
             log = open(out / f"rank{i}.log", "w")
             self.procs.append(
                 subprocess.Popen(

@@ -81,6 +81,9 @@ class PlannerConfig:
             backward of one micro-batch) at the profile's rate, beyond the blocks'
             own time: the pipelining runtime's bookkeeping, posting sends and
             receives; scaled by each device's speed like the blocks.
+        update_s_per_byte: seconds of optimizer update per byte of trainable
+            parameters at the profile's rate (0: not modelled); scaled by each
+            device's speed. Each rank steps its own stages after its last action.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -92,6 +95,7 @@ class PlannerConfig:
     max_orders: int = 24
     candidates: int = 3
     action_overhead_s: float = 0.0
+    update_s_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -286,9 +290,15 @@ class _Costs:
     """Per-block numbers at one slice size, and per-device time scales."""
 
     def __init__(
-        self, profile: Profile, cluster: Cluster, slices: int, overhead_s: float = 0.0
+        self,
+        profile: Profile,
+        cluster: Cluster,
+        slices: int,
+        overhead_s: float = 0.0,
+        update_s_per_byte: float = 0.0,
     ) -> None:
         self.overhead_s = overhead_s
+        self.update_s_per_byte = update_s_per_byte
         self.profile = profile
         self.cluster = cluster
         self.c: list[BlockCosts] = [b.costs[slices] for b in profile.blocks]
@@ -316,6 +326,15 @@ class _Costs:
         if not self.overhead_s:
             return 0.0
         return self.overhead_s * (self.scale[dev] or 1.0)
+
+    def update(self, a: int, b: int, devs: list[int]) -> float:
+        """Optimizer update seconds of blocks ``a:b`` on the slowest of ``devs``."""
+        if not self.update_s_per_byte:
+            return 0.0
+        nbytes = sum(self.profile.blocks[k].param_bytes for k in range(a, b))
+        return max(
+            self.update_s_per_byte * nbytes * (self.scale[d] or 1.0) for d in devs
+        )
 
     def fwd(self, k: int, dev: int) -> float:
         c = self.c[k]
@@ -544,6 +563,7 @@ def _evaluate(
             activation_bytes=ch.act_bytes,
             static_bytes=ch.static_bytes,
             output_bytes=costs.c[cuts[j + 1] - 1].output_bytes if j + 1 < P else 0,
+            update_s=costs.update(cuts[j], cuts[j + 1], st.devices_of(j)),
         )
         for j, ch in enumerate(choices)
     ]
@@ -742,7 +762,9 @@ def plan_partition(
             continue  # the one-device case is memory.plan's
         q = st.replicas * st.microbatches
         if q not in cost_cache:
-            cost_cache[q] = _Costs(profile, cluster, q, cfg.action_overhead_s)
+            cost_cache[q] = _Costs(
+                profile, cluster, q, cfg.action_overhead_s, cfg.update_s_per_byte
+            )
         costs = cost_cache[q]
         if best is not None and _lower_bound(costs, st) >= best[0]:
             continue
@@ -1034,7 +1056,11 @@ def fixed_plan(
         cuts.append(cuts[-1] + len(s))
     cfg = replace(config or PlannerConfig(), recompute=recompute)
     costs = _Costs(
-        profile, cluster, num_replicas * num_microbatches, cfg.action_overhead_s
+        profile,
+        cluster,
+        num_replicas * num_microbatches,
+        cfg.action_overhead_s,
+        cfg.update_s_per_byte,
     )
     limits = _limits(cluster, st) if recompute else [2**62] * P
     flights = _in_flight(schedule, ranks, num_microbatches, stages_per_rank)
@@ -1087,7 +1113,13 @@ def simulate_plan(
     for s in plan.stages:
         cuts.append(cuts[-1] + len(s.blocks))
     cfg = config or PlannerConfig()
-    costs = _Costs(profile, cluster, d * plan.num_microbatches, cfg.action_overhead_s)
+    costs = _Costs(
+        profile,
+        cluster,
+        d * plan.num_microbatches,
+        cfg.action_overhead_s,
+        cfg.update_s_per_byte,
+    )
     flights = _in_flight(st.schedule, p, st.microbatches, st.per_rank)
     ev = _evaluate(costs, st, tuple(cuts), _limits(cluster, st), flights, cfg)
     if ev is None:

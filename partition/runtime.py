@@ -190,6 +190,7 @@ def run_worker(
     last = any(s.stage_index == plan.num_stages - 1 for s in mine)
     losses: list[float] = []
     times: list[float] = []
+    cpu_times: list[float] = []  # this process's CPU seconds per step (all threads)
     grads: dict[str, torch.Tensor] = {}
     for step in range(steps):
         x, y = next(batches)
@@ -200,7 +201,7 @@ def run_worker(
         if x.is_floating_point():
             x = x.to(dt)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         mb_losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if last:
@@ -223,6 +224,7 @@ def run_worker(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         # the step's loss: mean over micro-batches (and replicas), sent to every rank
         value = torch.zeros(1, dtype=torch.float64)
         if last and mb_losses:
@@ -234,12 +236,16 @@ def run_worker(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     later = times[1:] or times
-    result = {
+    thread_cpu = _thread_cpu_s()
+    result: dict[str, Any] = {
         "rank": rank,
         "stages": [s.stage_index for s in mine],
         "losses": losses,
         "step_times_s": times,
         "step_s": statistics.median(later),
+        "cpu_times_s": cpu_times,
+        "cpu_s": statistics.median(cpu_times[1:] or cpu_times),
+        "thread_cpu_s": thread_cpu,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if save_grads:
@@ -252,6 +258,22 @@ def run_worker(
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, summed by thread name (Linux;
+    empty elsewhere): where a rank's CPU goes besides its blocks."""
+    by_name: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        secs = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        by_name[name] = round(by_name.get(name, 0.0) + secs, 3)
+    return by_name
 
 
 # --------------------------------------------------------------------------- launcher

@@ -38,6 +38,8 @@ class StageCost:
         input_grad_share: share of the backward that computes the input gradient.
         weight_grad_bytes: of ``activation_bytes``, what is still held after ``I``
             until ``W`` (default: half).
+        update_s: the optimizer update of the stage's parameters, run by its rank
+            after the rank's last action (each rank steps its own optimizer).
     """
 
     forward_s: float
@@ -47,6 +49,7 @@ class StageCost:
     output_bytes: int = 0
     input_grad_share: float = 0.5
     weight_grad_bytes: int | None = None
+    update_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class SimResult:
     """What a simulated step gives.
 
     Attributes:
-        step_s: time from the first action to the last (plus ``allreduce_s``).
+        step_s: time from the first action to the end of the last rank's optimizer
+            update (``StageCost.update_s``), plus ``allreduce_s``.
         busy_s: per rank, seconds spent computing.
         bubble_share: idle share of rank-time: 1 - sum(busy) / (ranks x step).
         bubble_ratio: idle over busy time, (ranks x step - sum(busy)) / sum(busy): the
@@ -196,6 +200,11 @@ def simulate(
             f"({s.ranks[r][pos[r]]}); check it with partition.schedule.validate"
         )
     step = max((e.end_s for e in events), default=0.0)
+    # each rank updates its stages' parameters once its own last action is done
+    updates = [0.0] * len(s.ranks)
+    for st_i, r in enumerate(s.stage_ranks):
+        updates[r] += costs[st_i].update_s
+    step = max([step] + [free[r] + updates[r] for r in range(len(s.ranks)) if updates[r]])
     ranks = len(s.ranks)
     total_busy = sum(busy)
     stage_peak, in_flight, rank_peak = _memory(s, costs, events)

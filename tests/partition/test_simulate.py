@@ -144,6 +144,25 @@ def test_links_add_transfer_time():
     assert slow.step_s == pytest.approx(free.step_s + 2 * 1.01)
 
 
+def test_optimizer_updates_end_each_ranks_step():
+    """A rank steps its optimizer after its own last action: in 1F1B the first rank
+    finishes last, so its update adds in full; the last rank's fits in its idle tail."""
+    p, m = 3, 4
+    base = simulate(build_schedule("1F1B", p, m), [StageCost(1.0, 2.0)] * p)
+    first = [StageCost(1.0, 2.0, update_s=0.5)] + [StageCost(1.0, 2.0)] * (p - 1)
+    last = [StageCost(1.0, 2.0)] * (p - 1) + [StageCost(1.0, 2.0, update_s=0.5)]
+    assert simulate(build_schedule("1F1B", p, m), first).step_s == pytest.approx(
+        base.step_s + 0.5
+    )
+    assert simulate(build_schedule("1F1B", p, m), last).step_s == base.step_s
+    # a long enough update on the last rank becomes the step's end
+    late = [StageCost(1.0, 2.0)] * (p - 1) + [StageCost(1.0, 2.0, update_s=9.0)]
+    end_last = max(e.end_s for e in base.events if e.rank == p - 1)
+    assert simulate(build_schedule("1F1B", p, m), late).step_s == pytest.approx(
+        end_last + 9.0
+    )
+
+
 def test_timeline_png(tmp_path):
     r = simulate(build_schedule("1F1B", 3, 6), [StageCost(1.0, 2.0)] * 3)
     out = timeline_png(r, tmp_path / "t.png", title="1F1B")
