@@ -19,8 +19,10 @@ Without root or ``ip netns`` it prints why and exits 0 (nothing is changed).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,6 +121,39 @@ def _time_blocks(
     return out
 
 
+def probe(q: int = 4, reps: int = 8, seconds: float = 0.0) -> dict[str, float]:
+    """What this process delivers, one thread: the whole model's forward and backward
+    at micro-batch size BATCH/q, and one AdamW update of all its parameters (min of
+    ``reps``, or of as many as fit in ``seconds``, at least 3). Run on every host at
+    once (``Fleet.run_on_all``) and outside any quota, the ratio is each host's real
+    share of a core."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, (x, y), loss = workload()
+    xs, ys = x[: BATCH // q], y[: BATCH // q]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    chain, update = [], []
+    end = time.perf_counter() + seconds
+    r = 0
+    while r <= reps if not seconds else (r <= 3 or time.perf_counter() < end):
+        r += 1
+        t0 = time.perf_counter()
+        loss(model(xs), ys).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        if r > 1:  # the first builds the optimizer state
+            chain.append(t1 - t0)
+            update.append(t2 - t1)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"chain_s": min(chain), "update_s": min(update), "param_bytes": nbytes}
+
+
+def _probe_argv() -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--probe"]
+
+
 def profile(max_microbatches: int) -> Profile:
     """Bytes from memory.profile (fake tensors); times measured here per micro-batch
     size, one thread, in the UNIT time base."""
@@ -153,10 +188,20 @@ def main() -> int:
     ap.add_argument(
         "--fast-memory",
         default="",
-        help="fast hosts' memory (default: what the even split needs, +10%%)",
+        help="fast hosts' memory (default: what the even split needs at m=8, +10%%)",
     )
     ap.add_argument("--slow-memory", default="400MB", help="slow hosts' memory")
+    ap.add_argument(
+        "--nominal",
+        action="store_true",
+        help="plan with the quotas as given, not with each host's probed speed",
+    )
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe:  # run by the benchmark itself, on each host
+        print(json.dumps(probe(seconds=args.probe_seconds)))
+        return 0
 
     from memory.sizes import format_bytes, parse_bytes
     from partition import netns
@@ -181,24 +226,63 @@ def main() -> int:
     print(
         f"runtime overhead per stage action (probe, full core): {overhead * 1e3:.2f} ms"
     )
+    # each host's real speed: the same probe on every host (its namespace and quota)
+    # and outside any quota; a CFS quota delivers a little less than its share
+    names4 = [f"fast{i}" for i in range(2)] + [f"slow{i}" for i in range(2)]
+    shares4 = [args.fast] * 2 + [args.slow] * 2
+
+    def outside() -> dict[str, float]:
+        r = subprocess.run(_probe_argv(), capture_output=True, text=True, check=True)
+        return json.loads(r.stdout.splitlines()[-1])
+
+    # Per-block times at full speed (one thread), then the same whole-model probe on
+    # every host at once: a host's speed is the profile's time for the model over
+    # the time measured there, so the two are tied even when the machine drifts.
     prof = profile(max_microbatches=16)
+    prof_chain = sum(b.costs[4].forward_s + b.costs[4].backward_s for b in prof.blocks)
+    full = outside()
+    specs = [
+        netns.HostSpec(n, sh, parse_bandwidth(args.bandwidth))
+        for n, sh in zip(names4, shares4)
+    ]
+    host_chain: dict[str, float] = {}
+    with netns.Fleet(specs) as fleet:
+        outs = fleet.run_on_all(_probe_argv() + ["--probe-seconds", "8"])
+        for n, out in zip(names4, outs):
+            host_chain[n] = json.loads(out.splitlines()[-1])["chain_s"]
+    real = {n: prof_chain / t for n, t in host_chain.items()}
+    print(
+        f"probe (whole model fwd+bwd, micro-batch {BATCH // 4}, one thread): "
+        f"{prof_chain * 1e3:.1f} ms by the profile, {full['chain_s'] * 1e3:.1f} ms "
+        f"in a probe outside any quota; AdamW update {full['update_s'] * 1e3:.1f} ms"
+    )
+    print(f"{'host':<8}{'quota':>8}{'probe ms':>10}{'speed':>8}")
+    for n, sh in zip(names4, shares4):
+        print(f"{n:<8}{sh:>8.2f}{host_chain[n] * 1e3:>10.1f}{real[n]:>8.3f}")
+    speed = {n: (sh if args.nominal else real[n]) for n, sh in zip(names4, shares4)}
+    to_profile = prof_chain / full["chain_s"]  # the probe's time base -> the profile's
     cfg = PlannerConfig(
         max_microbatches=16,
         schedules=("GPipe", "1F1B", "Interleaved1F1B"),
         action_overhead_s=overhead,
+        update_s_per_byte=full["update_s"] * to_profile / full["param_bytes"],
     )
     names = [b.name for b in prof.blocks]
     bw = parse_bandwidth(args.bandwidth)
 
     def cluster(fast_mem: int) -> Cluster:
         hosts = [
-            {"name": f"fast{i}", "memory": fast_mem, "compute": args.fast * UNIT}
+            {
+                "name": f"fast{i}",
+                "memory": fast_mem,
+                "compute": speed[f"fast{i}"] * UNIT,
+            }
             for i in range(2)
         ] + [
             {
                 "name": f"slow{i}",
                 "memory": args.slow_memory,
-                "compute": args.slow * UNIT,
+                "compute": speed[f"slow{i}"] * UNIT,
             }
             for i in range(2)
         ]
@@ -210,32 +294,38 @@ def main() -> int:
             }
         )
 
-    # torch's even split: 4 equal stages in host order, 1F1B, its best micro-batch count
+    # The fast hosts' memory: 110% of what the even split's fast stages need at 8
+    # micro-batches (fixed, so the setup does not move with the measured speeds).
+    # Then torch's even split (4 equal stages in host order, 1F1B) at its best
+    # micro-batch count among those that fit, and fleetfit's plan, on that cluster.
     big = cluster(parse_bytes("10GB"))
-    evens = []
-    for m in (4, 8, 16):
-        evens.append(
-            fixed_plan(
-                prof,
-                big,
-                even_split(names, 4),
-                schedule="1F1B",
-                num_microbatches=m,
-                config=cfg,
-            )
-        )
-    even = min(evens, key=lambda p: p.predicted_step_s)
-    need = max(s.peak_bytes for s in even.stages[:2])
-    fast_mem = parse_bytes(args.fast_memory) if args.fast_memory else int(need * 1.1)
-    c = cluster(fast_mem)
-    even = fixed_plan(
+    at8 = fixed_plan(
         prof,
-        c,
+        big,
         even_split(names, 4),
         schedule="1F1B",
-        num_microbatches=even.num_microbatches,
+        num_microbatches=8,
         config=cfg,
     )
+    need = max(s.peak_bytes for s in at8.stages[:2])
+    fast_mem = parse_bytes(args.fast_memory) if args.fast_memory else int(need * 1.1)
+    c = cluster(fast_mem)
+    evens = [
+        fixed_plan(
+            prof,
+            c,
+            even_split(names, 4),
+            schedule="1F1B",
+            num_microbatches=m,
+            config=cfg,
+        )
+        for m in (4, 8, 16)
+    ]
+    fits = [e for e in evens if all(s.peak_bytes <= s.memory_bytes for s in e.stages)]
+    if not fits:
+        print(f"the even split does not fit in {format_bytes(fast_mem)} at any m")
+        return 1
+    even = min(fits, key=lambda p: p.predicted_step_s)
     planned = plan_partition(prof, c, cfg)
     print(c.table())
     print(
@@ -263,6 +353,26 @@ def main() -> int:
                 res = fleet.run_ranks(pf, WORKLOAD, tmp, steps=args.steps)
         step = max(r["step_s"] for r in res)
         rows.append((label, plan, step, res[0]["losses"]))
+        print(f"{label}, per rank (one replica):")
+        print(
+            f"{'rank':>4}  {'device':<8}{'busy pred s':>12}{'cpu meas s':>12}{'step s':>9}"
+        )
+        for r in res[: plan.num_ranks]:
+            mine = [st for st in plan.stages if st.rank == r["rank"]]
+            busy = sum(
+                plan.num_microbatches * (st.forward_s + st.backward_s) for st in mine
+            )
+            print(
+                f"{r['rank']:>4}  {mine[0].devices[0]:<8}{busy:>12.3f}"
+                f"{r['cpu_s']:>12.3f}{r['step_s']:>9.3f}  "
+                + ", ".join(
+                    f"{k} {v:.1f}"
+                    for k, v in sorted(
+                        r["thread_cpu_s"].items(), key=lambda kv: -kv[1]
+                    )[:4]
+                )
+            )
+        print()
     print(
         f"{'run':<20}{'stages (blocks)':<22}{'sched':<10}{'m':>3}{'measured s':>12}"
         f"{'simulated s':>13}{'error':>8}{'examples/s':>12}"

@@ -92,6 +92,21 @@ def cleanup() -> None:
         if name.startswith(PREFIX):
             _sh("ip", "netns", "del", name, check=False)
     _sh("ip", "link", "del", BRIDGE, check=False)
+    # a namespace's veth pair goes away asynchronously after `ip netns del`: remove
+    # the outer ends and wait, or the next fleet's `ip link add ffv0` finds it there
+    deadline = time.monotonic() + 10.0
+    while True:
+        r = _sh("ip", "-o", "link", "show", check=False)
+        left = [
+            line.split(":")[1].strip().split("@")[0]
+            for line in r.stdout.splitlines()
+            if line.count(":") >= 2 and line.split(":")[1].strip().startswith("ffv")
+        ]
+        if not left or time.monotonic() > deadline:
+            break
+        for dev in left:
+            _sh("ip", "link", "del", dev, check=False)
+        time.sleep(0.1)
     root = _cgroup_root()
     if root is not None:
         for d in root[0].glob(f"{PREFIX}*"):

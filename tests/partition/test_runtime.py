@@ -4,6 +4,7 @@ processes, gloo) whose losses and gradients must equal a single-process run."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -201,7 +202,36 @@ def test_namespace_fleet_runs_a_pipeline_and_cleans_up(tmp_path):
         res = fleet.run_ranks(pf, "gpt-tiny", tmp_path, steps=2, timeout_s=300)
     ref_losses, _ = _reference("gpt-tiny", 2)
     assert res[1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    # every rank reports its CPU per step, and by thread
+    assert all(r["cpu_s"] > 0 and r["thread_cpu_s"] for r in res)
     left = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True
     ).stdout
     assert netns.PREFIX not in left
+
+
+@pytest.mark.distributed
+def test_namespace_fleet_probes_every_host_and_can_be_rebuilt_at_once():
+    """Probes run in each host's namespace and cgroup; a fleet made right after the
+    last one closed does not trip over its vanishing veth pairs."""
+    import sys
+
+    from partition import netns
+
+    why = netns.available()
+    if why:
+        pytest.skip(f"namespace fleet unavailable: {why}")
+    hosts = [netns.HostSpec("a", 0.5, 20e6), netns.HostSpec("b", 0.3, 5e6)]
+    code = (
+        "import json, os; print(json.dumps([open('/proc/self/cgroup').read(), "
+        "sorted(os.listdir('/sys/class/net'))]))"
+    )
+    for _ in range(3):
+        with netns.Fleet(hosts) as fleet:
+            outs = fleet.run_on_all([sys.executable, "-c", code])
+        assert len(outs) == 2
+        for i, out in enumerate(outs):
+            cgroups, nets = json.loads(out)
+            # its own cgroup (the CPU quota) and its own network: lo and its veth end
+            assert f"/{netns.PREFIX}{i}\n" in cgroups
+            assert nets == ["ffeth0", "lo"]
