@@ -8,6 +8,12 @@ stages (3 blocks each: what torch's ``pipeline`` examples do for equal layers) u
 1F1B. Both run with torch.distributed.pipelining; the table shows measured and
 simulated step times.
 
+Each host's speed is probed, not taken from its quota: the same whole-model forward
+and backward runs on all four hosts at once (in their namespaces and cgroups), and a
+host's speed is the profile's time for it over the time measured there (a CFS quota of
+0.15 delivers 0.08-0.14 of a core here). ``--nominal`` plans with the quotas instead.
+Per rank, the runs report CPU seconds per step (user and kernel) and by thread.
+
 Run as root from the repository root:
 
     .venv/bin/python benchmarks/partition_unequal.py            # ~3 minutes on 2 cores
@@ -256,9 +262,9 @@ def main() -> int:
         f"{prof_chain * 1e3:.1f} ms by the profile, {full['chain_s'] * 1e3:.1f} ms "
         f"in a probe outside any quota; AdamW update {full['update_s'] * 1e3:.1f} ms"
     )
-    print(f"{'host':<8}{'quota':>8}{'probe ms':>10}{'speed':>8}")
+    print(f"{'host':<8}{'quota':>8}{'probe ms':>10}{'speed (x profile)':>19}")
     for n, sh in zip(names4, shares4):
-        print(f"{n:<8}{sh:>8.2f}{host_chain[n] * 1e3:>10.1f}{real[n]:>8.3f}")
+        print(f"{n:<8}{sh:>8.2f}{host_chain[n] * 1e3:>10.1f}{real[n]:>19.3f}")
     speed = {n: (sh if args.nominal else real[n]) for n, sh in zip(names4, shares4)}
     to_profile = prof_chain / full["chain_s"]  # the probe's time base -> the profile's
     cfg = PlannerConfig(
@@ -355,7 +361,7 @@ def main() -> int:
         rows.append((label, plan, step, res[0]["losses"]))
         print(f"{label}, per rank (one replica):")
         print(
-            f"{'rank':>4}  {'device':<8}{'busy pred s':>12}{'cpu meas s':>12}{'step s':>9}"
+            f"{'rank':>4}  {'device':<8}{'busy pred s':>12}{'cpu meas s':>12}{'sys s':>8}{'step s':>9}"
         )
         for r in res[: plan.num_ranks]:
             mine = [st for st in plan.stages if st.rank == r["rank"]]
@@ -364,7 +370,7 @@ def main() -> int:
             )
             print(
                 f"{r['rank']:>4}  {mine[0].devices[0]:<8}{busy:>12.3f}"
-                f"{r['cpu_s']:>12.3f}{r['step_s']:>9.3f}  "
+                f"{r['cpu_s']:>12.3f}{r['cpu_sys_s']:>8.3f}{r['step_s']:>9.3f}  "
                 + ", ".join(
                     f"{k} {v:.1f}"
                     for k, v in sorted(

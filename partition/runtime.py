@@ -191,6 +191,7 @@ def run_worker(
     losses: list[float] = []
     times: list[float] = []
     cpu_times: list[float] = []  # this process's CPU seconds per step (all threads)
+    sys_times: list[float] = []  # of which in the kernel (page faults, sockets)
     grads: dict[str, torch.Tensor] = {}
     for step in range(steps):
         x, y = next(batches)
@@ -201,7 +202,7 @@ def run_worker(
         if x.is_floating_point():
             x = x.to(dt)
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), os.times()
         mb_losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if last:
@@ -224,7 +225,9 @@ def run_worker(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
+        c1 = os.times()
+        cpu_times.append(c1.user + c1.system - c0.user - c0.system)
+        sys_times.append(c1.system - c0.system)
         # the step's loss: mean over micro-batches (and replicas), sent to every rank
         value = torch.zeros(1, dtype=torch.float64)
         if last and mb_losses:
@@ -245,6 +248,7 @@ def run_worker(
         "step_s": statistics.median(later),
         "cpu_times_s": cpu_times,
         "cpu_s": statistics.median(cpu_times[1:] or cpu_times),
+        "cpu_sys_s": statistics.median(sys_times[1:] or sys_times),
         "thread_cpu_s": thread_cpu,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
