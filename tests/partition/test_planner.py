@@ -97,7 +97,13 @@ def exhaustive(profile: Profile, cluster: Cluster, cfg: PlannerConfig) -> float:
     for st in pl._settings(profile, cluster, cfg):
         if st.ranks == 1 and st.replicas == 1:
             continue
-        costs = pl._Costs(profile, cluster, st.replicas * st.microbatches)
+        costs = pl._Costs(
+            profile,
+            cluster,
+            st.replicas * st.microbatches,
+            cfg.action_overhead_s,
+            cfg.update_s_per_byte,
+        )
         limits = pl._limits(cluster, st)
         flights = pl._in_flight(st.schedule, st.ranks, st.microbatches, st.per_rank)
         P = st.num_stages
@@ -108,11 +114,22 @@ def exhaustive(profile: Profile, cluster: Cluster, cfg: PlannerConfig) -> float:
     return best
 
 
+@pytest.mark.parametrize("update", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_planner_is_within_2_percent_of_exhaustive_search(seed, monkeypatch):
+def test_planner_is_within_2_percent_of_exhaustive_search(seed, update, monkeypatch):
     profile = synth(n=7, seed=seed)
     cluster = unequal()
     cfg = PlannerConfig(max_microbatches=8, disk_budget_bytes=0)
+    if update:  # optimizer updates as long as half the model's fwd+bwd at q=1
+        work = sum(b.costs[1].forward_s + b.costs[1].backward_s for b in profile.blocks)
+        nbytes = sum(b.param_bytes for b in profile.blocks)
+        cfg = PlannerConfig(
+            max_microbatches=8, disk_budget_bytes=0, update_s_per_byte=work / 2 / nbytes
+        )
+        without = plan_partition(profile, cluster, PlannerConfig(max_microbatches=8))
+        assert plan_partition(profile, cluster, cfg).predicted_step_s > (
+            without.predicted_step_s
+        )
     # the planner's own search (dynamic programme and boundary moves), never brute force
     monkeypatch.setattr(pl, "EXHAUSTIVE_LIMIT", 0)
     plan = plan_partition(profile, cluster, cfg)
