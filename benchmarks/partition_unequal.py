@@ -185,6 +185,54 @@ def profile(max_microbatches: int) -> Profile:
     return replace(prof, blocks=tuple(blocks), flops_per_s=UNIT, time_source="measured")
 
 
+def scaled(prof: Profile, factor: float) -> Profile:
+    """``prof`` with every block's forward and backward seconds times ``factor``."""
+    blocks = tuple(
+        replace(
+            b,
+            costs={
+                q: replace(
+                    c, forward_s=c.forward_s * factor, backward_s=c.backward_s * factor
+                )
+                for q, c in b.costs.items()
+            },
+        )
+        for b in prof.blocks
+    )
+    return replace(prof, blocks=blocks)
+
+
+def runtime_factor(prof: Profile, cfg) -> tuple[float, float, float]:
+    """What blocks cost inside the pipelining runtime against the same blocks timed in
+    a loop: the model cut in 2 equal stages, 1F1B, 8 micro-batches, two ranks at full
+    speed on loopback (one thread each), measured; then the factor on the blocks'
+    times that makes the simulated step equal the measured one. Returns (factor,
+    measured s, simulated s before calibration)."""
+    from partition.cluster import Cluster
+    from partition.planner import even_split, fixed_plan
+    from partition.runtime import launch
+
+    names = [b.name for b in prof.blocks]
+    c = Cluster.uniform(2, memory="10GB", compute=UNIT)
+
+    def sim(p: Profile) -> float:
+        plan = fixed_plan(
+            p, c, even_split(names, 2), schedule="1F1B", num_microbatches=8, config=cfg
+        )
+        return plan.predicted_step_s
+
+    plan = fixed_plan(
+        prof, c, even_split(names, 2), schedule="1F1B", num_microbatches=8, config=cfg
+    )
+    with tempfile.TemporaryDirectory(prefix="fleetfit-cal-") as tmp:
+        measured = launch(plan, WORKLOAD, tmp, steps=6)["step_s"]
+    first = sim(prof)
+    factor = 1.0
+    for _ in range(4):  # the step is nearly linear in the blocks' times
+        factor *= measured / sim(scaled(prof, factor))
+    return factor, measured, first
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default: 6)")
@@ -201,6 +249,12 @@ def main() -> int:
         "--nominal",
         action="store_true",
         help="plan with the quotas as given, not with each host's probed speed",
+    )
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="scale the blocks' times by what a 2-rank full-speed run measures "
+        "(a diagnostic: it over-predicts the fleet, see docs/partition.md)",
     )
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--probe-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -275,6 +329,14 @@ def main() -> int:
     )
     names = [b.name for b in prof.blocks]
     bw = parse_bandwidth(args.bandwidth)
+    if args.calibrate:
+        factor, cal_meas, cal_sim = runtime_factor(prof, cfg)
+        prof = scaled(prof, factor)
+        print(
+            f"runtime calibration (2 ranks, full speed, loopback, 1F1B, m=8): measured "
+            f"{cal_meas:.3f} s, simulated {cal_sim:.3f} s from blocks timed in a loop: "
+            f"blocks' times x {factor:.2f} in the runtime"
+        )
 
     def cluster(fast_mem: int) -> Cluster:
         hosts = [
