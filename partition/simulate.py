@@ -204,7 +204,9 @@ def simulate(
     updates = [0.0] * len(s.ranks)
     for st_i, r in enumerate(s.stage_ranks):
         updates[r] += costs[st_i].update_s
-    step = max([step] + [free[r] + updates[r] for r in range(len(s.ranks)) if updates[r]])
+    step = max(
+        [step] + [free[r] + updates[r] for r in range(len(s.ranks)) if updates[r]]
+    )
     ranks = len(s.ranks)
     total_busy = sum(busy)
     stage_peak, in_flight, rank_peak = _memory(s, costs, events)
