@@ -71,6 +71,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed of all randomness")
     s.add_argument("--resume", action="store_true", help="continue from <out>/state")
     s.add_argument(
+        "--database",
+        help="the SuperLink's state file (SQLite), kept across restarts so that "
+        "SuperNodes and registered keys stay known (default: a fresh temporary one)",
+    )
+    s.add_argument(
         "--run-config",
         default="",
         help='more run-config keys, TOML ("lr=0.01 min-replies=2")',
@@ -192,6 +197,36 @@ def _toml_str(value: str) -> str:
 
 
 # ------------------------------------------------------------------- server
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def superlink_database(path: str | None, work: Path) -> Path:
+    """The SuperLink's state file: ``path`` (checked, its folder made), or a fresh one
+    in ``work``. A kept database lets a restarted server find its SuperNodes (their
+    ids) and registered keys again, so they need not restart before ``--resume``.
+
+    Raises:
+        ValueError: ``path`` is a folder, or a file that is not a SQLite database.
+    """
+    if not path:
+        return work / "state.db"
+    db = Path(path).expanduser().resolve()
+    if db.is_dir():
+        raise ValueError(
+            f"--database {path!r} is a folder; give a file path, e.g. {db / 'state.db'}"
+        )
+    if db.is_file() and db.stat().st_size > 0:
+        with open(db, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+        if head != _SQLITE_MAGIC:
+            raise ValueError(
+                f"--database {path!r} is not a SQLite database (a SuperLink's state); "
+                "give a new path or the file an earlier `fleetfit server` wrote"
+            )
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return db
+
+
 def run_server(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     tls = _check_tls(
@@ -224,7 +259,7 @@ def run_server(args: argparse.Namespace) -> int:
         "--port",
         str(args.port),
         "--database",
-        str(work / "state.db"),
+        str(superlink_database(args.database, work)),
         "--disable-runtime-dependency-installation",
     ]
     if tls:
