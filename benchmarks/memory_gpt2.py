@@ -24,9 +24,10 @@ import torch
 
 from memory.errors import BudgetError, MeasurementError
 from memory.plan import plan_memory, predict
+from memory.profile import loading_from_file
 from memory.sizes import format_bytes, parse_bytes
 from memory.spec import BlockPlan, MemoryPlan
-from partition.run import loading_from_file, measured_run, profile_workload
+from partition.run import measured_run, profile_workload
 from workloads import get_workload
 
 

@@ -61,6 +61,7 @@ from memory.profile import measure_flops_per_s
 from memory.spec import MemoryPlan
 from server import protocol
 from workloads import get_workload
+from workloads.node_data import evaluate_batches
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -278,12 +279,19 @@ def evaluate(msg: Message, context: Context) -> Message:
     model.load_state_dict(
         msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
     )
-    m = workload.evaluate(model)
+    if workload.own_data:  # this node's own held-out batches
+        node = _node(context)
+        batches = workload.eval_batches(node.partition_id, node.num_partitions)
+        m = evaluate_batches(model, batches, workload.loss_fn)
+        num_examples = int(m["num_examples"])
+    else:
+        m = workload.evaluate(model)
+        num_examples = len(workload.items(train=False))
     metrics = MetricRecord(
         {
             "eval-loss": m["loss"],
             "eval-acc": m["accuracy"],
-            protocol.NUM_EXAMPLES: len(workload.items(train=False)),
+            protocol.NUM_EXAMPLES: num_examples,
         }
     )
     return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)

@@ -12,11 +12,19 @@
   trained: GPT-2's head projection is the token embedding, so it trains only in
   windows that start at block 0. The chain ``[start, last]`` runs under the plan.
 
+An ``any_model`` workload (a transformers model, dict inputs, the model's own loss) trains the same way over its units
+(``memory.units.find_units``, in execution order, the last one its head) through
+``memory.step.PlannedTrainer``: the model's own forward runs, frozen units have
+``requires_grad`` off and run in eval mode, so the frozen prefix stores no activation.
+Its batches are the node's own (``Workload.node_batches``: ``load_data``).
+
 Measuring the peak (what a budget bounds: the training work's peak resident memory):
 
 - ``child`` (default): the work runs in a fresh process through
   ``memory.measure.measure_in_child`` (``MALLOC_MMAP_THRESHOLD_=65536``): the peak is
-  its ``VmHWM`` minus its RSS right after imports. The child builds the model, reads
+  its ``VmHWM`` minus its RSS right after imports (for a ``module:function``
+  workload: its module, and what its model's construction imports lazily, found by
+  building it on ``meta`` first: ``memory.step.warm_up``). The child builds the model, reads
   the received arrays from a file one tensor at a time, trains on batches drawn by the
   parent and written to a file (so it never holds the dataset) and writes the trained
   arrays back. Everything the training holds counts.
@@ -28,6 +36,8 @@ Measuring the peak (what a budget bounds: the training work's peak resident memo
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import tempfile
 import time
@@ -42,10 +52,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from memory.blocks import as_blocks
+from memory.blocks import Block, as_blocks
+from memory.materialize import StateSource, params_on_meta
 from memory.measure import measure_in_child, peak_rss_bytes, reset_peak, rss_bytes
 from memory.spec import MemoryPlan
+from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
+from partition.run import load_batches, save_batches
 from workloads import Workload, get_workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -78,7 +91,17 @@ def draw_batches(
     """This round's batches, the share's item count, and the torch seed of the steps.
 
     The batch order derives from (seed, round, partition), so a rerun draws the same.
+    A workload with its own data (``Workload.own_data``) gives its batches itself.
     """
+    if workload.own_data:
+        torch_seed = np.random.SeedSequence([seed, server_round, partition_id])
+        batches, n = workload.node_batches(
+            partition_id,
+            num_partitions,
+            server_round=server_round,
+            local_steps=local_steps,
+        )
+        return batches, n, int(torch_seed.generate_state(1)[0])
     items = workload.client_items(
         partition_id, num_partitions, split, seed=seed, alpha=alpha, classes=classes
     )
@@ -102,13 +125,18 @@ def trainable_blocks(num_blocks: int, window: tuple[int, int] | None) -> list[in
     return [*range(start, stop), num_blocks - 1]
 
 
-def freeze_for_window(model: nn.Module, window: tuple[int, int] | None) -> list[str]:
+def freeze_for_window(
+    model: nn.Module,
+    window: tuple[int, int] | None,
+    blocks: Sequence[Block] | None = None,
+) -> list[str]:
     """Set ``requires_grad`` for a window; return the state-dict keys it trains.
 
     Trained keys: parameters that end up trainable (a tied parameter follows its
-    owner, the first block using it) and the buffers of trained blocks.
+    owner, the first block using it) and the buffers of trained blocks. ``blocks``:
+    the model's blocks or units (default: ``as_blocks(model)``).
     """
-    blocks = as_blocks(model)
+    blocks = as_blocks(model) if blocks is None else blocks
     train = set(trainable_blocks(len(blocks), window))
     owner: dict[int, int] = {}
     for i, b in enumerate(blocks):
@@ -186,6 +214,114 @@ def train_chain(
     return losses, keys
 
 
+def train_units(
+    model: nn.Module,
+    workload: Workload,
+    batches: list[Any],
+    *,
+    plan: MemoryPlan | None,
+    window: tuple[int, int] | None,
+    lr: float,
+    offload_dir: str | None = None,
+    init_state: StateSource | None = None,
+    save_to: str | None = None,
+) -> tuple[list[float], list[str]]:
+    """``train_chain`` for a workload planned per unit: train ``model`` in place on
+    ``batches`` (``(inputs, targets)`` of any structure) through
+    ``memory.step.PlannedTrainer``; return the losses and trained keys.
+
+    ``init_state``: for a model built without its weights
+    (``memory.materialize.params_on_meta``), the file they are read from, unit by
+    unit within the plan. ``save_to``: write the trained keys there (safetensors, tied
+    keys once with ``aliases``) one tensor at a time, streamed ones from the store,
+    and leave the model's streamed parameters as placeholders: the update never
+    exists whole in memory."""
+    from memory.step import PlannedTrainer, TrainSettings
+    from memory.units import find_units
+
+    assert workload.example is not None
+    example_inputs, _, loss_fn = workload.example
+    units = find_units(model, example_inputs)
+    keys = freeze_for_window(model, window, units)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"window {window} of units {[u.name for u in units]} trains no parameter "
+            "(its head's weights belong to a frozen unit); assign a wider window"
+        )
+    model.train()
+    if window is not None:
+        start, stop = window
+        for i, u in enumerate(units):
+            if i < start or stop <= i < len(units) - 1:
+                u.module.eval()  # frozen: no dropout, no batch statistics change
+    if plan is None:
+        plan = MemoryPlan.plain([u.name for u in units])
+    planned = max(_batch_size(b) for b in batches) if batches else 1
+    losses: list[float] = []
+    trainer = PlannedTrainer(
+        model,
+        plan,
+        units=units,
+        loss_fn=loss_fn,
+        settings=TrainSettings(lr=lr),
+        offload_dir=offload_dir,
+        init_state=init_state,
+    )
+    try:
+        for inputs, targets in batches:
+            m = short_batch_microbatches(
+                plan.num_microbatches, planned=planned, actual=_batch_size((inputs,))
+            )
+            losses.append(trainer.step(inputs, targets, num_microbatches=m))
+        if save_to is not None:
+            trainer.save(save_to, keys=keys)
+    finally:
+        trainer.close(restore=save_to is None)
+    return losses, keys
+
+
+def _batch_size(batch: Any) -> int:
+    from workloads.node_data import batch_size_of
+
+    return batch_size_of(batch[0])
+
+
+def train_model(
+    model: nn.Module,
+    workload: Workload,
+    batches: list[Any],
+    *,
+    plan: MemoryPlan | None,
+    window: tuple[int, int] | None,
+    lr: float,
+    offload_dir: str | None = None,
+) -> tuple[list[float], list[str]]:
+    """``train_units`` for an ``any_model`` workload, else ``train_chain``.
+
+    Decided from the workload alone, as the server decides (``server.assign``): never
+    from running the model here, whose behaviour a node may change (a node whose
+    forward fails must not take another path than the plan it was sent)."""
+    if workload.any_model:
+        return train_units(
+            model,
+            workload,
+            batches,
+            plan=plan,
+            window=window,
+            lr=lr,
+            offload_dir=offload_dir,
+        )
+    return train_chain(
+        model,
+        workload.loss_fn,
+        batches,
+        plan=plan,
+        window=window,
+        lr=lr,
+        offload_dir=offload_dir,
+    )
+
+
 def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
     """Micro-batches for batches of ``actual`` examples under a plan that cuts
     ``planned``-example batches into ``m``.
@@ -207,10 +343,11 @@ def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
 
 
 def _load_into(model: nn.Module, arrays_file: str) -> None:
-    """Copy tensors from a safetensors file into ``model``, one at a time."""
+    """Copy tensors from a safetensors file into ``model``, one at a time (plain
+    reads: a mapped file would stay resident until closed)."""
     own = model.state_dict(keep_vars=True)
-    with safe_open(arrays_file, framework="pt") as f, torch.no_grad():
-        for key in f.keys():  # noqa: SIM118
+    with TensorFile(arrays_file) as f, torch.no_grad():
+        for key in f.keys():
             own[key].copy_(f.get_tensor(key))
 
 
@@ -232,30 +369,55 @@ def train_in_child(
     """The measured child's work: build, load, train, write the trained arrays."""
     if threads:
         torch.set_num_threads(threads)
-    wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
-    model = wl.make_model(0)
-    _load_into(model, arrays_file)
-    data = load_file(batches_file)
-    batches = [
-        (data[f"inputs.{i}"], data[f"targets.{i}"])
-        for i in range(sum(k.startswith("inputs.") for k in data))
-    ]
-    del data
-    torch.manual_seed(torch_seed)
-    t0 = time.perf_counter()
-    losses, keys = train_chain(
-        model,
-        wl.loss_fn,
-        batches,
+    custom = ":" in workload
+    # a module:function workload is built to read its example batch: without weights
+    with params_on_meta() if custom else contextlib.nullcontext():
+        wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+    batches = load_batches(batches_file)
+    kwargs: dict[str, Any] = dict(
         plan=None if plan is None else MemoryPlan.from_dict(plan),
         window=None if window is None else (window[0], window[1]),
         lr=lr,
         offload_dir=offload_dir,
     )
+    if wl.any_model:  # weights read unit by unit within the plan, update written so
+        with params_on_meta():
+            model = wl.make_model(0)
+        with TensorFile(arrays_file) as source:
+            torch.manual_seed(torch_seed)
+            t0 = time.perf_counter()
+            losses, _ = train_units(
+                model, wl, batches, init_state=source, save_to=out_file, **kwargs
+            )
+            train_s = time.perf_counter() - t0
+        return {"losses": losses, "train_s": train_s}
+    model = wl.make_model(0)
+    _load_into(model, arrays_file)
+    torch.manual_seed(torch_seed)
+    t0 = time.perf_counter()
+    losses, keys = train_model(model, wl, batches, **kwargs)
     train_s = time.perf_counter() - t0
     state = model.state_dict()
-    save_file({k: state[k].detach().contiguous() for k in keys}, out_file)
+    trained = {k: state[k].detach().contiguous() for k in keys}
+    kept = _untied(trained)  # tied keys (a head sharing the embedding) written once
+    aliases = {k: _first_with(kept, v) for k, v in trained.items() if k not in kept}
+    save_file(kept, out_file, metadata={"aliases": json.dumps(aliases)})
     return {"losses": losses, "train_s": train_s}
+
+
+def _first_with(kept: dict[str, torch.Tensor], t: torch.Tensor) -> str:
+    ptr = t.untyped_storage().data_ptr()
+    return next(k for k, v in kept.items() if v.untyped_storage().data_ptr() == ptr)
+
+
+def _load_trained(path: str) -> dict[str, torch.Tensor]:
+    """``train_in_child``'s output: the trained tensors, tied keys restored."""
+    with safe_open(path, framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    state = load_file(path)
+    for k, first in aliases.items():
+        state[k] = state[first]
+    return state
 
 
 def train_assigned(
@@ -294,9 +456,9 @@ def train_assigned(
     model.load_state_dict(model_state)
     torch.manual_seed(torch_seed)
     t0 = time.perf_counter()
-    losses, keys = train_chain(
+    losses, keys = train_model(
         model,
-        workload.loss_fn,
+        workload,
         batches,
         plan=plan,
         window=window,
@@ -330,6 +492,7 @@ def _train_child(
     lr: float,
     offload_dir: str | None,
 ) -> TrainResult:
+    custom = workload.kind == "custom"
     with tempfile.TemporaryDirectory(prefix="fleetfit-client-") as tmp:
         arrays_file = os.path.join(tmp, "arrays.safetensors")
         batches_file = os.path.join(tmp, "batches.safetensors")
@@ -338,12 +501,7 @@ def _train_child(
             {k: v.detach().contiguous() for k, v in _untied(model_state).items()},
             arrays_file,
         )
-        tensors: dict[str, torch.Tensor] = {}
-        for i, (x, y) in enumerate(batches):
-            tensors[f"inputs.{i}"] = x.contiguous()
-            tensors[f"targets.{i}"] = y.contiguous()
-        save_file(tensors, batches_file)
-        del tensors
+        save_batches(batches_file, batches)
         m = measure_in_child(
             "client.train:train_in_child",
             {
@@ -362,8 +520,21 @@ def _train_child(
                 "offload_dir": offload_dir,
                 "threads": torch.get_num_threads(),
             },
+            # a custom workload's module (and what it imports: transformers) is
+            # library code, imported before the baseline as torch is; so is what
+            # its model's construction imports lazily (transformers' modeling code:
+            # 62 MiB for the example GPT-2), as in `fleetfit memory run`
+            preload=(workload.name.split(":")[0],) if custom else (),
+            warmup=(
+                (
+                    "memory.step:warm_up",
+                    {"factory": workload.name, "factory_kwargs": {}},
+                )
+                if custom
+                else None
+            ),
         )
-        state = load_file(out_file)
+        state = _load_trained(out_file)
     losses = m.result["losses"]
     return TrainResult(
         num_examples,

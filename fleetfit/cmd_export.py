@@ -3,8 +3,9 @@
     fleetfit export --checkpoint runs/demo/model.safetensors --out model.onnx
     fleetfit export --checkpoint runs/demo/model.safetensors --out model.onnx --quantize
 
-Everything comes from the checkpoint's metadata (workload, batch shape). Writes the ONNX
-file, ``<name>.int8.onnx`` with ``--quantize``, and a JSON report
+Everything comes from the checkpoint's metadata: the workload and, for a built-in, its
+batch shape (a ``module:function`` workload's batch is the one its function builds).
+Writes the ONNX file, ``<name>.int8.onnx`` with ``--quantize``, and a JSON report
 (``<name>.export.json`` unless ``--report``); prints a short summary, or the report
 with ``--json``. See docs/onnx.md.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from math import nan
 from pathlib import Path
+from typing import Any
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -59,27 +62,56 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    check = report["verification"]
-    print(f"{out}: {report['bytes']:,} bytes, input {report['input']['shape']}")
-    print(
-        f"ONNX Runtime vs torch: max |diff| {check['max_abs_diff']:.2e} over batch "
-        f"sizes {[r['batch_size'] for r in check['batches']]} ({check['tolerance']})"
-    )
-    ev = report["evaluation"]
-    if ev is not None:
-        line = (
-            f"held-out accuracy: torch {ev['torch']['accuracy']:.4f}, "
-            f"onnxruntime {ev['onnxruntime']['accuracy']:.4f}"
-        )
-        if "int8" in ev:
-            line += (
-                f", int8 {ev['int8']['accuracy']:.4f} "
-                f"(change {report['int8']['accuracy_change']:+.4f})"
-            )
+    for line in summary_lines(report, out):
         print(line)
-    if report["int8"] is not None:
-        print(
-            f"{out.with_name(report['int8']['file'])}: {report['int8']['bytes']:,} bytes"
-        )
     print(f"report: {report_path}")
     return 0
+
+
+def summary_lines(report: dict[str, Any], out: Path) -> list[str]:
+    """The short summary of an export report (``server.export.export_model``): file,
+    check, held-out metrics where computed, int8."""
+    check = report["verification"]
+    sizes = [
+        f"{r['batch_size']} x {r['seq_len']} tokens"
+        if "seq_len" in r
+        else str(r["batch_size"])
+        for r in check["batches"]
+    ]
+    inputs = report.get("inputs") or [report["input"]]
+    lines = [
+        f"{out}: {report['bytes']:,} bytes, input{'s' if len(inputs) > 1 else ''} "
+        + ", ".join(f"{i['name']} {i['shape']}" for i in inputs),
+        f"ONNX Runtime vs torch: max |diff| {check['max_abs_diff']:.2e} over batch "
+        f"sizes [{', '.join(sizes)}] ({check['tolerance']})",
+    ]
+    int8 = report["int8"]
+    ev = report["evaluation"]
+    if ev is not None:
+        lines.append(_held_out_line(ev))
+    if int8 is not None:
+        if "file" in int8:
+            lines.append(f"{out.with_name(int8['file'])}: {int8['bytes']:,} bytes")
+        if "error" in int8:
+            lines.append(f"int8: {int8['error']}")
+    return lines
+
+
+def _held_out_line(ev: dict[str, Any]) -> str:
+    """``held-out accuracy: torch ..., onnxruntime ..., int8 ...``; a runtime whose
+    metrics were not computed says why."""
+    metric = ev.get("metric", "accuracy")
+    parts = []
+    for runtime, why in (
+        ("torch", ev.get("torch_error")),
+        ("onnxruntime", ev.get("onnxruntime_not_computed")),
+    ):
+        m = ev.get(runtime)
+        if m is None:
+            parts.append(f"{runtime} not computed ({why})")
+        else:
+            parts.append(f"{runtime} {m.get(metric, nan):.4f}")
+    if "int8" in ev:  # only beside ONNX Runtime's own metrics
+        q, base = ev["int8"].get(metric, nan), ev["onnxruntime"].get(metric, nan)
+        parts.append(f"int8 {q:.4f} (change {q - base:+.4f})")
+    return f"held-out {metric}: " + ", ".join(parts)

@@ -8,6 +8,13 @@ a budget, and a measured run under it.
 
 With ``--json`` each prints one JSON object on one line, the last line of standard
 output; logs and progress go to standard error.
+
+A ``module:function`` workload may return any model: inputs as a tensor, a tuple or a
+dict (``model(**inputs)``), no targets, and no loss_fn (the model's own
+``output.loss``, as transformers computes it from ``labels``). Such a workload, and one
+whose children do not run as a chain, is profiled, planned and run per unit
+(``memory.units``: the model's layers and the modules around them, its own forward
+unchanged); the JSON then also has ``"any_model": true`` and the ``"units"``.
 """
 
 from __future__ import annotations
@@ -73,6 +80,14 @@ def add(sub: argparse._SubParsersAction) -> None:
                 "forbids both (default: half the free space of --offload-dir)",
             )
             v.add_argument(
+                "--init-state",
+                default=None,
+                help="module:function workloads: read the model's weights from this "
+                "safetensors file unit by unit, streamed units straight to disk, so "
+                "that loading stays within the plan (default: the factory builds "
+                "the model whole, which then counts in the peak)",
+            )
+            v.add_argument(
                 "--allow-microbatching",
                 action="store_true",
                 help="allow micro-batches for models with batch-dependent "
@@ -105,6 +120,22 @@ def add(sub: argparse._SubParsersAction) -> None:
         v.set_defaults(func=run)
 
 
+def _check_init_state(path: str, units: bool) -> None:
+    """Refuse an ``--init-state`` that cannot be read, in one line."""
+    from memory.errors import MemoryPlanError
+    from memory.tensorfile import TensorFile
+
+    if not units:
+        raise ValueError(
+            "--init-state is for module:function workloads planned per unit; a "
+            "built-in workload reads its weights from a file already"
+        )
+    try:
+        TensorFile(path).close()
+    except MemoryPlanError as e:
+        raise ValueError(f"--init-state {path}: {e}") from e
+
+
 def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
     if args.json:
         print(text, file=sys.stderr)
@@ -115,10 +146,17 @@ def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memory.plan import min_budget_bytes, plan_memory, predict
-    from memory.profile import is_batch_dependent
+    from memory.profile import is_batch_dependent, loading_from_file
     from memory.sizes import format_bytes, parse_bytes
     from memory.spec import MemoryPlan
-    from partition.run import loading_from_file, measured_run, profile_workload
+    from memory.unit_profile import plan_units
+    from partition.run import (
+        measured_any_model_run,
+        measured_run,
+        profile_any_model,
+        profile_workload,
+        uses_units,
+    )
     from workloads import get_workload
 
     wl = get_workload(
@@ -132,39 +170,66 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--budget is required for run (or use --plain)")
         if args.disk_budget is not None:
             disk = parse_bytes(args.disk_budget, what="--disk-budget", allow_zero=True)
+    units = uses_units(wl)
+    init_state = getattr(args, "init_state", None)
+    if init_state is not None:
+        _check_init_state(init_state, units)
     print(
         f"profiling {wl.name} (batch {wl.batch_size}"
         + (f" x {wl.seq_len} tokens" if wl.seq_len else "")
-        + ")",
+        + ")"
+        + (f" per unit: {_why_units(wl)}" if units else ""),
         file=sys.stderr,
     )
-    profile = profile_workload(wl, offload_dir=args.offload_dir)
+    profiles = None
+    if units:
+        profiles = profile_any_model(wl, offload_dir=args.offload_dir)
+        profile = profiles[1]
+    else:
+        profile = profile_workload(wl, offload_dir=args.offload_dir)
+    names = [b.name for b in profile.blocks]
+    extra: dict[str, Any] = {"any_model": units}
+    if units:
+        extra["units"] = names
     if args.verb == "profile":
         _emit(
-            args, profile.table(), {"workload": wl.name, "profile": profile.to_dict()}
+            args,
+            _units_table(profile) if units else profile.table(),
+            {"workload": wl.name, "profile": profile.to_dict(), **extra},
         )
         return 0
 
     plain_profile = profile
-    profile = loading_from_file(profile)
-    with _torch_meta():
-        model = wl.make_model(0)
-    batch_dependent = is_batch_dependent(model)
-    names = [b.name for b in plain_profile.blocks]
+    if units:  # the child builds the model whole, unless it reads --init-state
+        batch_dependent = profile.batch_dependent
+        if init_state is not None and profiles is not None:
+            profiles = {c: loading_from_file(p) for c, p in profiles.items()}
+            profile = profiles[1]
+    else:
+        profile = loading_from_file(profile)
+        with _torch_meta():
+            model = wl.make_model(0)
+        batch_dependent = is_batch_dependent(model)
     common = dict(
         disk_budget_bytes=disk,
         offload_dir=args.offload_dir,
         allow_microbatching=args.allow_microbatching or None,
         batch_dependent=batch_dependent,
     )
-    smallest = min_budget_bytes(profile, **common)  # type: ignore[arg-type]
+    smallest = min(
+        min_budget_bytes(p, **common)  # type: ignore[arg-type]
+        for p in (profiles.values() if profiles else [profile])
+    )
     plan: MemoryPlan | None
     if args.verb == "run" and args.plain:
         plan = None
         pred = predict(plain_profile, MemoryPlan.plain(names))
         predicted_peak, predicted_s = pred.peak_bytes, pred.step_s
     else:
-        plan = plan_memory(profile, budget, batch_size=wl.batch_size, **common)  # type: ignore[arg-type]
+        if profiles:  # every loss chunk count the head allows
+            plan, _ = plan_units(profiles, budget, **common)
+        else:
+            plan = plan_memory(profile, budget, batch_size=wl.batch_size, **common)  # type: ignore[arg-type]
         predicted_peak, predicted_s = plan.predicted_peak_bytes, plan.predicted_step_s
     summary: dict[str, Any] = {
         "workload": wl.name,
@@ -174,29 +239,44 @@ def run(args: argparse.Namespace) -> int:
         "predicted_peak_bytes": predicted_peak,
         "predicted_step_s": predicted_s,
         "plan": None if plan is None else plan.to_dict(),
+        **extra,
     }
     lines = [
         _describe(plan) if plan is not None else "plain training",
         f"predicted peak {format_bytes(predicted_peak)}, step "
         f"{predicted_s:.3f} s; smallest budget that fits: {format_bytes(smallest)}",
     ]
+    if units and plan is not None:
+        lines.insert(1, _unit_choices(plan))
     if args.verb == "plan":
         _emit(args, "\n".join(lines), summary)
         return 0
 
     print("\n".join(lines), file=sys.stderr)
     print(f"running {args.steps} steps in a measured child process", file=sys.stderr)
-    m, result = measured_run(
-        wl.name,
-        plan,
-        steps=args.steps,
-        seed=args.seed,
-        lr=args.lr,
-        batch_size=args.batch or None,
-        seq_len=args.seq or None,
-        offload_dir=args.offload_dir,
-        save=args.save,
-    )
+    if units:
+        m, result = measured_any_model_run(
+            wl.name,
+            plan,
+            steps=args.steps,
+            seed=args.seed,
+            lr=args.lr,
+            offload_dir=args.offload_dir,
+            save=args.save,
+            init_state=init_state,
+        )
+    else:
+        m, result = measured_run(
+            wl.name,
+            plan,
+            steps=args.steps,
+            seed=args.seed,
+            lr=args.lr,
+            batch_size=args.batch or None,
+            seq_len=args.seq or None,
+            offload_dir=args.offload_dir,
+            save=args.save,
+        )
     summary.update(
         measured_peak_bytes=m.peak_bytes,
         baseline_bytes=m.baseline_bytes,
@@ -234,11 +314,64 @@ def _describe(plan: Any) -> str:
         ("keep", "stream"): "S",
         ("offload", "stream"): "S",
     }
-    blocks = "".join(code[(b.activations, b.state)] for b in plan.blocks)
+    blocks = "".join(
+        "D"
+        if b.offload_inputs and b.state != "stream"
+        else code[(b.activations, b.state)]
+        for b in plan.blocks
+    )
+    legend = "K keep, R recompute, O offload, S stream"
+    if "D" in blocks:  # units only: recompute with the inputs on disk
+        legend += ", D recompute with inputs on disk"
     return (
-        f"plan: {blocks} (K keep, R recompute, O offload, S stream), "
+        f"plan: {blocks} ({legend}), "
         f"{plan.num_microbatches} micro-batch(es), {plan.loss_chunks} loss chunk(s)"
     )
+
+
+def _why_units(wl: Any) -> str:
+    """Why ``wl`` is planned per unit, for people."""
+    if not wl.any_model:
+        return "its children do not run as a chain"
+    import torch
+
+    inputs, targets, loss_fn = wl.example
+    why = (
+        [] if isinstance(inputs, torch.Tensor) else [f"{type(inputs).__name__} inputs"]
+    )
+    if targets is None:
+        why.append("no targets")
+    if loss_fn is None:
+        why.append("the model's own loss")
+    return ", ".join(why)
+
+
+def _units_table(profile: Any) -> str:
+    """``Profile.table()`` with a name column as wide as the longest unit's, and the
+    options the planner has for each unit (``memory.plan``: K keep, R recompute, O
+    offload, S stream, D recompute with the inputs on disk)."""
+    rows = profile.table().splitlines()
+    names = [b.name for b in profile.blocks]
+    width = max([14, *(len(n) + 2 for n in names)])
+    out = [f"{'unit':<{width}}{rows[0][14:]}  options"]
+    for row, b in zip(rows[1:], profile.blocks):
+        rest = row[max(14, len(b.name)) :]
+        out.append(f"{b.name:<{width}}{rest}  {' '.join(b.options)}")
+    return "\n".join(out)
+
+
+def _unit_choices(plan: Any) -> str:
+    """Each unit with its choice: ``units: transformer.wte K, transformer.h.0 R``
+    (the letters of ``_units_table``'s options)."""
+
+    def letter(b: Any) -> str:
+        if b.state == "stream":
+            return "S"
+        if b.offload_inputs:
+            return "D"
+        return {"keep": "K", "recompute": "R", "offload": "O"}[b.activations]
+
+    return "units: " + ", ".join(f"{b.name} {letter(b)}" for b in plan.blocks)
 
 
 class _torch_meta:  # noqa: N801

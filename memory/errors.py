@@ -54,3 +54,24 @@ class OffloadDirError(MemoryPlanError):
         self.directory = directory
         self.bytes_needed = bytes_needed
         self.bytes_free = bytes_free
+
+
+class BudgetExceededError(MemoryPlanError):
+    """Training crossed its memory budget while a step ran.
+
+    Raised by ``memory.guard.MemoryGuard`` when the process's resident memory above
+    its baseline goes over the budget, before the OS's OOM killer ends the process.
+
+    Attributes:
+        measured_bytes: resident bytes above the baseline when the crossing was seen.
+        budget_bytes: the budget that was crossed.
+        unit: the model unit that was running then ("" when none was set).
+    """
+
+    def __init__(
+        self, message: str, *, measured_bytes: int, budget_bytes: int, unit: str
+    ) -> None:
+        super().__init__(message)
+        self.measured_bytes = measured_bytes
+        self.budget_bytes = budget_bytes
+        self.unit = unit

@@ -46,6 +46,13 @@ class Measurement:
         cuda_peak_bytes: ``torch.cuda.max_memory_allocated()`` when the target used
             CUDA, else None.
         stderr: what the child wrote to standard error (logs, warnings).
+        file_baseline_bytes: file-backed resident memory (``RssFile``: code of
+            shared libraries, mapped files) at the baseline, bytes.
+        file_end_bytes: the same when the target returned, bytes. Its growth over
+            the baseline is part of ``peak_bytes``: pages of library code touched
+            for the first time and files the target mapped (a diagnostic: how many
+            pages a first touch maps depends on the page cache, see
+            docs/memory.md).
     """
 
     baseline_bytes: int
@@ -55,6 +62,13 @@ class Measurement:
     hwm_bytes: int = 0
     cuda_peak_bytes: int | None = None
     stderr: str = field(default="", repr=False)
+    file_baseline_bytes: int = 0
+    file_end_bytes: int = 0
+
+    @property
+    def file_growth_bytes(self) -> int:
+        """Growth of file-backed resident memory over the run, bytes."""
+        return self.file_end_bytes - self.file_baseline_bytes
 
 
 def _status_bytes(key: str) -> int:
@@ -111,6 +125,8 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 _CHILD = r"""
 import importlib, json, sys, time, traceback
 out_path, target, kwargs_json = sys.argv[1], sys.argv[2], sys.argv[3]
+preload = [m for m in sys.argv[4].split(",") if m] if len(sys.argv) > 4 else []
+warmup = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
 def status(key):
     with open("/proc/self/status") as f:
         for line in f:
@@ -120,21 +136,29 @@ try:
     import torch
     from memory.overhead import preload_runtime
     preload_runtime()  # what the first training step would import lazily
+    for name in preload:  # the user's libraries count in the baseline, as torch does
+        importlib.import_module(name)
+    if warmup:  # e.g. what a model's first construction imports lazily
+        w_mod, w_func = warmup[0].split(":")
+        getattr(importlib.import_module(w_mod), w_func)(**warmup[1])
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     kwargs = json.loads(kwargs_json)
     baseline = status("VmRSS")
+    file_baseline = status("RssFile")
     t0 = time.perf_counter()
     result = func(**kwargs)
     wall = time.perf_counter() - t0
     if not isinstance(result, dict):
         raise TypeError(f"{target} returned {type(result).__name__}, not a dict")
     hwm = status("VmHWM")
+    file_end = status("RssFile")
     cuda_peak = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda_peak = int(torch.cuda.max_memory_allocated())
     answer = {"ok": True, "baseline": baseline, "hwm": hwm, "wall": wall,
-              "cuda_peak": cuda_peak, "result": result}
+              "cuda_peak": cuda_peak, "result": result,
+              "file_baseline": file_baseline, "file_end": file_end}
     text = json.dumps(answer)
 except BaseException:
     text = json.dumps({"ok": False, "traceback": traceback.format_exc()})
@@ -149,6 +173,8 @@ def measure_in_child(
     *,
     env: dict[str, str] | None = None,
     timeout_s: float = 600,
+    preload: tuple[str, ...] = (),
+    warmup: tuple[str, dict[str, Any]] | None = None,
 ) -> Measurement:
     """Run ``function(**kwargs)`` in a fresh Python process and measure its memory.
 
@@ -162,6 +188,11 @@ def measure_in_child(
         kwargs: keyword arguments for the function (JSON-serialisable).
         env: extra environment variables for the child (on top of this process's).
         timeout_s: kill the child after this many seconds.
+        preload: modules to import before the baseline, like torch (e.g. the
+            ``transformers`` a model needs): libraries, not the training.
+        warmup: ``("package.module:function", kwargs)`` called before the baseline
+            too, for library code that loads on first use (``memory.step.warm_up``
+            builds a model on the meta device: what its construction imports).
 
     Raises:
         MeasurementError: the child raised (its traceback is in the message), crashed,
@@ -176,6 +207,8 @@ def measure_in_child(
     with tempfile.TemporaryDirectory(prefix="fleetfit-measure-") as tmp:
         out_path = os.path.join(tmp, "answer.json")
         cmd = [sys.executable, "-c", _CHILD, out_path, target, kwargs_json]
+        cmd.append(",".join(preload))
+        cmd.append(json.dumps(list(warmup) if warmup else None))
         try:
             proc = subprocess.run(
                 cmd,
@@ -210,4 +243,6 @@ def measure_in_child(
         hwm_bytes=hwm,
         cuda_peak_bytes=answer["cuda_peak"],
         stderr=stderr,
+        file_baseline_bytes=int(answer.get("file_baseline", 0)),
+        file_end_bytes=int(answer.get("file_end", 0)),
     )

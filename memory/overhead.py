@@ -11,7 +11,8 @@ Two costs come on top of a model's own tensors and are the same for every plan:
   step in a child process, and profiles carry it as ``Profile.runtime_bytes``, which
   the planner adds to every event of a step.
 
-Set ``FLEETFIT_RUNTIME_BYTES`` to skip the probe (e.g. on a device measured before).
+Set ``FLEETFIT_RUNTIME_BYTES`` to skip the probe (e.g. on a device measured before);
+otherwise the probe runs once per machine (``memory.machine``'s cache).
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def runtime_overhead_bytes() -> int:
         from memory.sizes import parse_bytes
 
         return parse_bytes(override, what="FLEETFIT_RUNTIME_BYTES", allow_zero=True)
+    from memory.machine import cached
     from memory.measure import measure_in_child
 
-    return measure_in_child("memory.overhead:_probe", {}).peak_bytes
+    return int(
+        cached(
+            "runtime_overhead_bytes",
+            lambda: measure_in_child("memory.overhead:_probe", {}).peak_bytes,
+        )
+    )

@@ -41,7 +41,6 @@ import contextlib
 import copy
 import logging
 import os
-import statistics
 import tempfile
 import time
 import weakref
@@ -55,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from memory.blocks import Block, as_blocks
+from memory.machine import cached
 from memory.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,8 @@ class BlockProfile:
         costs: ``{num_microbatches: BlockCosts}``.
         chunk_costs: last block only, ``{(num_microbatches, loss_chunks): BlockCosts}``
             for one chunk of a micro-batch, for ``loss_chunks > 1``.
+        options: the planner's options allowed for this block (``memory.plan``
+            letters: K keep, R recompute, O offload, S stream); empty: all.
     """
 
     name: str
@@ -135,6 +137,7 @@ class BlockProfile:
     shared_with: tuple[str, ...]
     costs: dict[int, BlockCosts]
     chunk_costs: dict[tuple[int, int], BlockCosts] = field(default_factory=dict)
+    options: tuple[str, ...] = ()
 
     @property
     def state_bytes(self) -> int:
@@ -161,29 +164,12 @@ class BlockProfile:
         )
 
     @property
-    def forward_workspace_bytes(self) -> int:
-        """Forward transient peak beyond what it saves and outputs."""
-        c = self.costs[1]
-        return max(0, c.forward_peak_bytes - c.saved_bytes - c.output_bytes)
-
-    @property
-    def backward_workspace_bytes(self) -> int:
-        """Backward transient peak beyond its gradients and input gradient."""
-        c = self.costs[1]
-        return max(0, c.backward_peak_bytes - self.grad_bytes - c.input_bytes)
-
-    @property
     def forward_s(self) -> float:
         return self.costs[1].forward_s
 
     @property
     def backward_s(self) -> float:
         return self.costs[1].backward_s
-
-    @property
-    def flops(self) -> int:
-        """Forward plus backward FLOPs of the whole batch."""
-        return self.costs[1].forward_flops + self.costs[1].backward_flops
 
 
 @dataclass(frozen=True)
@@ -211,6 +197,12 @@ class Profile:
         flops_per_s: the measured matmul rate used for FLOP-derived times.
         time_source: ``measured``, ``flops`` or ``mixed`` over the blocks.
         loss_chunk_options: the loss chunk counts profiled for the last block.
+        loss_chunk_setting: the loss chunks every block was profiled with (the unit
+            path's chunked head, ``memory.head``; 1: the model's own loss).
+        update_by_chunks: a streamed block's update maps its parameters and stored
+            gradients a chunk at a time, after unmapping them (the unit path,
+            ``memory.streaming``); False: with its parameters mapped whole (the
+            chain executor).
         disk: the measured disk bandwidth, if measured.
         runtime_bytes: the fixed cost of torch's first training step (see
             ``memory.overhead``), part of every event of a step; 0 if not measured.
@@ -225,6 +217,8 @@ class Profile:
     flops_per_s: float = 0.0
     time_source: str = "flops"
     loss_chunk_options: tuple[int, ...] = (1,)
+    loss_chunk_setting: int = 1
+    update_by_chunks: bool = False
     disk: DiskBandwidth | None = None
     runtime_bytes: int = 0
 
@@ -281,6 +275,7 @@ class Profile:
                 for k, v in b["chunk_costs"].items()
             }
             b["shared_with"] = tuple(b["shared_with"])
+            b["options"] = tuple(b.get("options", ()))
             blocks.append(BlockProfile(**b))
         d["blocks"] = tuple(blocks)
         d["loss_chunk_options"] = tuple(d["loss_chunk_options"])
@@ -484,18 +479,24 @@ _DISK_CACHE: dict[str, DiskBandwidth] = {}
 
 
 def measure_flops_per_s(size: int = 1024, repeats: int = 5) -> float:
-    """This machine's fp32 matmul rate, FLOP/s (a short probe, cached)."""
+    """This machine's fp32 matmul rate, FLOP/s: the fastest of a few timed matmuls
+    (other work on the machine only slows some of them), kept in the machine cache
+    (``memory.machine``) so that plans do not drift between runs."""
     if "cpu" in _RATE_CACHE:
         return _RATE_CACHE["cpu"]
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    a @ b  # warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    rate = 2 * size**3 / statistics.median(times)
+
+    def probe() -> float:
+        a = torch.randn(size, size)
+        b = torch.randn(size, size)
+        a @ b  # warm up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return 2 * size**3 / min(times)
+
+    rate = float(cached(f"matmul_flops_per_s_{size}", probe))
     _RATE_CACHE["cpu"] = rate
     return rate
 
@@ -505,13 +506,22 @@ def measure_disk_bandwidth(
 ) -> DiskBandwidth:
     """Sequential write (with fsync) and read (page cache dropped) bandwidth.
 
-    A short probe in ``directory`` (default: the system's temporary directory), cached
-    per directory for the life of the process; the probe file is removed.
+    A short probe in ``directory`` (default: the system's temporary directory), the
+    probe file removed; kept per directory for the life of the process and in the
+    machine cache (``memory.machine``).
     """
     path = os.path.realpath(os.fspath(directory or tempfile.gettempdir()))
     if path in _DISK_CACHE:
         return _DISK_CACHE[path]
     os.makedirs(path, exist_ok=True)
+    key = f"disk_bytes_per_s {path} {nbytes}"
+    bw = DiskBandwidth(path, *cached(key, lambda: _disk_probe(path, nbytes)))
+    _DISK_CACHE[path] = bw
+    return bw
+
+
+def _disk_probe(path: str, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes per second of ``path``."""
     chunk = os.urandom(min(nbytes, 4 * 2**20))
     fd, probe = tempfile.mkstemp(prefix=".fleetfit-bw-", dir=path)
     try:
@@ -530,9 +540,7 @@ def measure_disk_bandwidth(
     finally:
         os.close(fd)
         os.unlink(probe)
-    bw = DiskBandwidth(path, written / max(read_s, 1e-9), written / max(write_s, 1e-9))
-    _DISK_CACHE[path] = bw
-    return bw
+    return written / max(read_s, 1e-9), written / max(write_s, 1e-9)
 
 
 # --------------------------------------------------------------------------- timing
@@ -860,3 +868,13 @@ def profile_workload_fake(
     blocks = as_blocks(model)
     kwargs.setdefault("construction_peak_bytes", construction)
     return profile_blocks(blocks, example_inputs, example_targets, loss_fn, **kwargs)  # type: ignore[arg-type]
+
+
+def loading_from_file(profile: Profile) -> Profile:
+    """The profile of a run that reads its weights unit by unit from a file
+    (``partition.run.train_workload(init_file=...)``, ``memory.step.train_measured(
+    init_state=...)``, see ``memory.materialize``): building the model holds at most
+    the largest unit's parameters beyond what stays resident, which every step holds
+    anyway."""
+    largest = max((b.param_bytes for b in profile.blocks), default=0)
+    return replace(profile, construction_peak_bytes=largest)

@@ -27,11 +27,14 @@ class BlockPlan:
             ``stream`` them from disk: loaded for forward and again for backward, the
             optimizer update applied block by block right after the block's backward,
             then written back.
+        offload_inputs: with ``recompute``, the inputs the recompute keeps go to disk
+            too and come back for the rerun (``memory.apply``).
     """
 
     name: str
     activations: Activations = "keep"
     state: State = "resident"
+    offload_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,10 @@ class MemoryPlan:
             self.num_microbatches == 1
             and self.loss_chunks == 1
             and all(
-                b.activations == "keep" and b.state == "resident" for b in self.blocks
+                b.activations == "keep"
+                and b.state == "resident"
+                and not b.offload_inputs
+                for b in self.blocks
             )
         )
 

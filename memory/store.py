@@ -131,6 +131,37 @@ def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
 
 
+def _adamw_chunk(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``torch.optim``'s functional AdamW on one chunk, in place (``foreach=False``:
+    the per-element kernel ``torch.optim.AdamW`` runs on CPU)."""
+    adamw(
+        [p],
+        [g],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [torch.tensor(step)],
+        foreach=False,
+        amsgrad=False,
+        beta1=betas[0],
+        beta2=betas[1],
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
+
+
 class BlockStore:
     """Parameters, gradients and AdamW state of streamed blocks, in files.
 
@@ -251,6 +282,88 @@ class BlockStore:
                 v.copy_(g)
                 b.has_grad[i] = True
         del views
+        assert b.grads is not None
+        self._sync(b, b.grads, b.section_bytes)
+
+    def accumulate_grads_chunked(
+        self, key: int, grads: dict[int, torch.Tensor]
+    ) -> None:
+        """``accumulate_grads``, mapping the accumulator a chunk at a time: the
+        mapped pages stay at ``chunk_bytes`` (a large tied head's gradient goes to
+        disk without a second copy of it resident)."""
+        b = self._blocks[key]
+        if not grads:
+            return
+        assert b.grads is not None, f"block {key} was stored without gradients"
+        for i in sorted(grads):
+            g = grads[i].detach().to("cpu").reshape(-1)
+            s = b.slots[i]
+            esize = g.element_size()
+            per = max(self.chunk_bytes // esize, 1)
+            for a in range(0, g.numel(), per):
+                z = min(a + per, g.numel())
+                v = self._map(b, b.grads + s.offset + a * esize, (z - a) * esize)
+                v = v.view(s.dtype)
+                if b.has_grad[i]:
+                    v.add_(g[a:z])
+                else:
+                    v.copy_(g[a:z])
+                del v
+            b.has_grad[i] = True
+        self._sync(b, b.grads, b.section_bytes)
+
+    def adamw_step_mapped(
+        self,
+        key: int,
+        grads: Sequence[torch.Tensor | None],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """``adamw_step`` on the parameters in the file, mapping parameters, stored
+        gradients and state a chunk at a time (CPU): the update's resident working
+        set stays a few chunks whatever the size of the block. ``scale`` multiplies
+        the full gradient first (global-norm clipping). Same arithmetic, element by
+        element, as ``adamw_step``."""
+        b = self._blocks[key]
+        steps_map = self._map(b, b.steps, 4 * len(b.slots)).view(torch.float32)
+        for i, g in enumerate(grads):
+            s = b.slots[i]
+            if g is None and not b.has_grad[i]:
+                continue
+            step = float(steps_map[i])
+            esize = torch.empty(0, dtype=s.dtype).element_size()
+            n = int(torch.Size(s.shape).numel())
+            per = max(self.chunk_bytes // esize // 1024 * 1024, 1024)
+            g_flat = None if g is None else g.detach().reshape(-1)
+            for a in range(0, n, per):
+                z = min(a + per, n)
+                off, nb = s.offset + a * esize, (z - a) * esize
+                p = self._map(b, b.params + off, nb).view(s.dtype)
+                if b.has_grad[i]:
+                    assert b.grads is not None
+                    stored = self._map(b, b.grads + off, nb).view(s.dtype)
+                    gc = (
+                        stored.clone()
+                        if g_flat is None
+                        else g_flat[a:z].clone().add_(stored)
+                    )
+                    del stored
+                else:
+                    assert g_flat is not None
+                    gc = g_flat[a:z]
+                if scale is not None:
+                    gc = gc * scale
+                ea = self._map(b, b.exp_avg + off, nb).view(s.dtype)
+                eas = self._map(b, b.exp_avg_sq + off, nb).view(s.dtype)
+                _adamw_chunk(p, gc, ea, eas, step, lr, betas, eps, weight_decay)
+                del p, gc, ea, eas
+            b.has_grad[i] = False
+            steps_map[i] = step + 1  # written after the tensors
+        del steps_map
         self._sync(b)
 
     def has_grads(self, key: int) -> bool:
@@ -319,21 +432,16 @@ class BlockStore:
             ea = self._map(b, b.exp_avg + s.offset + a * esize, (z - a) * esize)
             eas = self._map(b, b.exp_avg_sq + s.offset + a * esize, (z - a) * esize)
             ea_t, eas_t = ea.view(s.dtype).to(p.device), eas.view(s.dtype).to(p.device)
-            adamw(
-                [p_flat[a:z]],
-                [g_flat[a:z]],
-                [ea_t],
-                [eas_t],
-                [],
-                [torch.tensor(step)],
-                foreach=False,
-                amsgrad=False,
-                beta1=betas[0],
-                beta2=betas[1],
-                lr=lr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=False,
+            _adamw_chunk(
+                p_flat[a:z],
+                g_flat[a:z],
+                ea_t,
+                eas_t,
+                step,
+                lr,
+                betas,
+                eps,
+                weight_decay,
             )
             if p.device.type != "cpu":  # state was copied to the device: write back
                 ea.view(s.dtype).copy_(ea_t)
@@ -356,9 +464,14 @@ class BlockStore:
         self._sync(self._blocks[key])
 
     @staticmethod
-    def _sync(b: _BlockFile) -> None:
+    def _sync(b: _BlockFile, start: int = 0, length: int = 0) -> None:
+        """Write the file's dirty pages and drop bytes ``[start, start + length)``
+        (the whole file for ``length`` 0) from the page cache. After a gradient
+        accumulation only its section is dropped: the parameters, only read since the
+        last update, stay cached for the next micro-batch's load (clean pages: not in
+        any process's RSS once unmapped, and reclaimable)."""
         os.fsync(b.fd)
-        os.posix_fadvise(b.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(b.fd, start, length, os.POSIX_FADV_DONTNEED)
 
     def read(self, key: int) -> list[torch.Tensor]:
         """Copies (not mappings) of block ``key``'s parameters."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -107,3 +108,56 @@ class TensorFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_tensors(
+    path: str | os.PathLike,
+    entries: Sequence[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write a safetensors file one tensor at a time.
+
+    ``entries`` are ``(name, dtype, shape, fetch)``: the header is written from the
+    shapes first, then each ``fetch()`` is called, its bytes written and the tensor
+    dropped, so at most one tensor is in memory (a streamed unit's parameter mapped
+    from its store, for example). The file appears under ``path`` only when complete
+    (written next to it and renamed).
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, dtype, shape, _fetch in entries:
+        if dtype not in _NAMES:
+            raise MemoryPlanError(f"tensor {name!r}: dtype {dtype} cannot be written")
+        nbytes = torch.empty(0, dtype=dtype).element_size() * int(
+            torch.Size(shape).numel()
+        )
+        header[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    target = Path(path)
+    tmp = target.with_name(target.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, dtype, shape, fetch in entries:
+            t = fetch()
+            if t.dtype != dtype or list(t.shape) != list(shape):
+                raise MemoryPlanError(
+                    f"tensor {name!r} changed from {dtype}{list(shape)} to "
+                    f"{t.dtype}{list(t.shape)} while it was written"
+                )
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)

@@ -95,10 +95,6 @@ class Action:
         if not ok:
             raise ValueError(f"malformed {self.kind} action: {self!r}")
 
-    @property
-    def is_stage_action(self) -> bool:
-        return self.stage is not None
-
     def __str__(self) -> str:
         if self.stage is not None:
             return f"{self.stage}{self.kind}{self.microbatch}"
@@ -522,6 +518,3 @@ def format(schedule: Schedule, *, mark: tuple[int, int, str] | None = None) -> s
             row = row.rstrip() + f"   <-- rank {mark[0]}: {mark[2]}"
         lines.append(row.rstrip())
     return "\n".join(lines)
-
-
-format_schedule = format

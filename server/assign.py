@@ -24,6 +24,11 @@ With ``strategy="exclude"`` (the status quo, for comparisons) a node gets ``full
 plain training when the plain step's predicted peak plus the reserve fits its budget,
 and ``none`` otherwise: no plan, no part.
 
+An ``any_model`` workload (a transformers model, dict inputs, the model's own loss) is assigned the same way over its units
+(``memory.units.find_units``, in execution order; the last is the head), profiled
+with ``memory.unit_profile.unit_profiles`` (one profile per loss chunk count its head
+allows) and planned with ``plan_units``.
+
 Time: with the node's measured compute rate, the plan's predicted step time is scaled
 to the node; a node whose ``local_steps`` would not fit in ``train_time_s`` gets fewer
 steps (at least one) instead of being dropped.
@@ -38,11 +43,13 @@ from typing import Any
 
 from torch import nn
 
-from memory.blocks import as_blocks
+from memory.blocks import Block, as_blocks
 from memory.errors import BudgetError
-from memory.plan import min_budget_bytes, plan_memory, predict
+from memory.plan import min_budget_bytes, predict
 from memory.profile import Profile, profile_workload_fake
 from memory.spec import MemoryPlan
+from memory.unit_profile import plan_units, unit_profiles
+from memory.units import find_units
 from server import protocol
 from workloads import Workload
 
@@ -87,27 +94,45 @@ class Assigner:
             raise ValueError(f"strategy {strategy!r}: choose fleetfit or exclude")
         self.strategy = strategy
         self.workload = workload
-        self.names = [b.name for b in as_blocks(model)]
+        self.per_unit = workload.any_model
+        self.model = model
+        self.blocks = model_blocks(workload, model)
+        self.names = [b.name for b in self.blocks]
         self.local_steps = local_steps
         self.reserve = runtime_reserve_bytes
         self.train_time_s = train_time_s
-        self._profile: Profile | None = None
+        self._profiles: dict[int, Profile] | None = None
         self._plain: MemoryPlan | None = None
         self._min: dict[tuple[int, int, int], int] = {}
-        self._parts: dict[tuple[int, int], Profile] = {}
+        self._parts: dict[tuple[int, int], dict[int, Profile]] = {}
+
+    @property
+    def profiles(self) -> dict[int, Profile]:
+        """The whole model's profiles by loss chunk count (``{1: ...}`` for a chain)."""
+        if self._profiles is None:
+            if self.per_unit:
+                assert self.workload.example is not None
+                x, y, loss_fn = self.workload.example
+                self._profiles = unit_profiles(
+                    self.workload.make_model(0), x, y, loss_fn, units=None
+                )
+            else:
+                x, y = self.workload.example_batch()
+                self._profiles = {
+                    1: profile_workload_fake(
+                        lambda: self.workload.make_model(0),
+                        x,
+                        y,
+                        self.workload.loss_fn,
+                        measure_time=False,
+                    )
+                }
+        return self._profiles
 
     @property
     def profile(self) -> Profile:
-        if self._profile is None:
-            x, y = self.workload.example_batch()
-            self._profile = profile_workload_fake(
-                lambda: self.workload.make_model(0),
-                x,
-                y,
-                self.workload.loss_fn,
-                measure_time=False,
-            )
-        return self._profile
+        """The whole model's profile with its own loss (one chunk)."""
+        return self.profiles[1]
 
     def assign(self, facts: dict[str, Any], server_round: int) -> Assignment:
         budget = _int_or_none(facts.get(protocol.BUDGET_BYTES))
@@ -115,16 +140,12 @@ class Assigner:
         if budget is None:  # a client that did not answer fleetfit's query
             return Assignment("full", None, None, None, None, self.local_steps)
         disk = disk or 0
-        prof = self.profile
         usable = budget - self.reserve
-        batch = prof.batch_size
         if self.strategy == "exclude":
             return self._plain_or_nothing(budget, disk, facts)
         if usable > 0:
             try:
-                plan = plan_memory(
-                    prof, usable, disk_budget_bytes=disk, batch_size=batch
-                )
+                plan, _ = plan_units(self.profiles, usable, disk_budget_bytes=disk)
             except BudgetError:
                 pass
             else:
@@ -138,15 +159,15 @@ class Assigner:
             for j in range(positions):
                 start = last if width == 0 else (first + j) % positions
                 stop = start + width
+                if not self._trains_parameters(start, stop):
+                    continue  # e.g. a head whose only weight is the embedding's
                 need = self._min_budget(start, stop, disk)
                 smallest = need if smallest is None else min(smallest, need)
                 if need > usable:
                     continue
-                part = self._part_profile(start, stop)
+                part = self._part_profiles(start, stop)
                 try:
-                    plan = plan_memory(
-                        part, usable, disk_budget_bytes=disk, batch_size=batch
-                    )
+                    plan, _ = plan_units(part, usable, disk_budget_bytes=disk)
                 except BudgetError:
                     continue
                 return self._timed("part", budget, disk, plan, (start, stop), facts)
@@ -221,22 +242,29 @@ class Assigner:
     def _min_budget(self, start: int, stop: int, disk: int) -> int:
         key = (start, stop, disk)
         if key not in self._min:
-            self._min[key] = min_budget_bytes(
-                self._part_profile(start, stop), disk_budget_bytes=disk
+            self._min[key] = min(
+                min_budget_bytes(p, disk_budget_bytes=disk)
+                for p in self._part_profiles(start, stop).values()
             )
         return self._min[key]
 
-    def _part_profile(self, start: int, stop: int) -> Profile:
+    def _trains_parameters(self, start: int, stop: int) -> bool:
+        params = {k for k, _ in self.model.named_parameters(remove_duplicate=False)}
+        return bool(params & set(trained_keys(self.model, (start, stop), self.blocks)))
+
+    def _part_profiles(self, start: int, stop: int) -> dict[int, Profile]:
         key = (start, stop)
         if key not in self._parts:
-            self._parts[key] = part_profile(self.profile, start, stop)
+            self._parts[key] = {
+                c: part_profile(p, start, stop) for c, p in self.profiles.items()
+            }
         return self._parts[key]
 
     def expected_keys(
         self, model: nn.Module, window: tuple[int, int] | None
     ) -> set[str]:
         """The state-dict keys a reply to this assignment must carry."""
-        return set(trained_keys(model, window))
+        return set(trained_keys(model, window, self.blocks))
 
 
 def _nothing(budget: int, disk: int, need: int, reason: str) -> Assignment:
@@ -269,10 +297,25 @@ def part_profile(profile: Profile, start: int, stop: int) -> Profile:
     )
 
 
-def trained_keys(model: nn.Module, window: tuple[int, int] | None) -> list[str]:
+def model_blocks(workload: Workload, model: nn.Module) -> list[Block]:
+    """The blocks assignments are made over: the model's units for an ``any_model``
+    workload, else its chain blocks (a tensor workload keeps the chain path in
+    federations; decided from the workload alone, as the client decides)."""
+    if workload.any_model:
+        assert workload.example is not None
+        return list(find_units(model, workload.example[0]))
+    return list(as_blocks(model))
+
+
+def trained_keys(
+    model: nn.Module,
+    window: tuple[int, int] | None,
+    blocks: list[Block] | None = None,
+) -> list[str]:
     """State-dict keys an assignment trains: trainable parameters (a tied one follows
-    the first block using it) and the buffers of trained blocks."""
-    blocks = as_blocks(model)
+    the first block using it) and the buffers of trained blocks (``blocks``: the
+    model's blocks or units, default ``as_blocks(model)``)."""
+    blocks = as_blocks(model) if blocks is None else blocks
     n = len(blocks)
     train = set(range(n)) if window is None else {*range(*window), n - 1}
     owner: dict[int, int] = {}

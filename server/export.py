@@ -1,18 +1,24 @@
-"""Export the global model to ONNX, check ONNX Runtime against torch, quantise.
+"""Export the global model to ONNX, check ONNX Runtime against torch, quantise; report.
 
-- ``export_onnx``: torch's dynamo exporter (``torch.onnx.export(..., dynamo=True,
-  optimize=False)``, so initializers keep their state-dict names), one input
+- ``export_model``: the export, the check and (optionally) int8, plus the held-out
+  metrics of torch, ORT and int8 ORT, written as a JSON report (``export.json`` in a
+  run folder; schema in docs/run-folder.md, see docs/onnx.md).
+- ``load_checkpoint``: a run folder's ``model.safetensors`` and its workload, for
+  ``fleetfit export``.
+
+The steps, each importable from here too:
+
+- ``server.export_graph``: ``export_onnx``, torch's dynamo exporter: one input
   (``inputs``: images, or token ids) with a dynamic batch axis, one output
-  (``logits``, without the loss). A model the exporter cannot handle fails with an
-  ``ExportError`` naming the operator.
-- ``verify``: ONNX Runtime against torch on fresh inputs of several batch sizes; they
-  agree when ``max |ort - torch| <= 1e-4 * max(1, max |torch|)`` at every size.
-- ``quantize_int8``: dynamic int8 quantisation (``onnxruntime.quantization``: int8
-  weights of MatMul, Gemm and Conv, activations quantised at run time); the weight
-  transposes the exporter leaves in front of MatMuls are folded first (ORT's
-  ``quant_pre_process``), or the MatMuls would stay float.
-- ``export_model``: all three plus the held-out metrics of torch, ORT and int8 ORT,
-  written as a JSON report (``export.json`` in a run folder; see docs/onnx.md).
+  (``logits``, without the loss); an ``any_model`` workload (dict or tuple inputs,
+  ``server.export_inputs``) gets one input per tensor, named by its dict key.
+- ``server.export_check``: ``verify`` (ONNX Runtime against torch at several batch
+  sizes, within ``RTOL``) and ``quantize_int8`` (dynamic int8).
+- ``server.export_base``: ``ExportError``, and ``unsupported_operator`` (the operator
+  an exporter failure names).
+
+An ``any_model`` workload is checked on its example batch (and on 1 and 3 examples
+made from it), and evaluated on its held-out batches.
 
 Example:
     >>> from server.export import export_model
@@ -22,16 +28,11 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
-import re
-import tempfile
 import time
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,256 +40,54 @@ import numpy as np
 import torch
 from torch import nn
 
-from onnxrun.evaluate import evaluate_arrays, make_session, run_logits
+from onnxrun.evaluate import evaluate_arrays, make_session
+from server.export_base import (
+    EXTERNAL_DATA_BYTES,
+    OUTPUT_NAME,
+    ExportError,
+    eval_mode,
+    model_name,
+    one_line,
+    unsupported_operator,
+)
+from server.export_check import (
+    ANY_MODEL_BATCH_SIZES,
+    RTOL,
+    VERIFY_BATCH_SIZES,
+    fresh_inputs,
+    quantize_int8,
+    verify,
+)
+from server.export_graph import any_example, export_graph, export_input, export_onnx
+from server.export_inputs import LogitsMetrics, call_flags
 from server.persist import atomic_write_bytes
 from workloads import Workload
+
+__all__ = [
+    "ANY_MODEL_BATCH_SIZES",
+    "EXTERNAL_DATA_BYTES",
+    "INT8_FILE",
+    "ONNX_FILE",
+    "OUTPUT_NAME",
+    "REPORT_FILE",
+    "RTOL",
+    "VERIFY_BATCH_SIZES",
+    "ExportError",
+    "export_input",
+    "export_model",
+    "export_onnx",
+    "fresh_inputs",
+    "load_checkpoint",
+    "quantize_int8",
+    "unsupported_operator",
+    "verify",
+]
 
 log = logging.getLogger(__name__)
 
 ONNX_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
 REPORT_FILE = "export.json"
-INPUT_NAME = "inputs"
-OUTPUT_NAME = "logits"
-VERIFY_BATCH_SIZES = (1, 3, 8)  # examples per check; 1 and odd sizes catch baked shapes
-RTOL = 1e-4  # agreement: max |diff| <= RTOL * max(1, max |torch output|)
-EXTERNAL_DATA_BYTES = 1_800_000_000  # above this, weights go to a side file (2 GB cap)
-
-
-class ExportError(ValueError):
-    """The model cannot be exported, or ONNX Runtime disagrees with torch."""
-
-
-def export_input(workload: Workload, model: nn.Module | None = None) -> torch.Tensor:
-    """The example input the exporter traces with (batch of at least 2).
-
-    A batch of 1 would be specialised by ``torch.export``, which treats sizes 0 and 1
-    as constants: the batch axis would not be dynamic.
-    """
-    x = workload.example_batch(0)[0]
-    if workload.kind == "lm":
-        x = x.long()
-    if x.dim() == 0:
-        raise ExportError(
-            f"{workload.name}: its input is a scalar; export needs a batch axis"
-        )
-    if x.shape[0] < 2:
-        x = torch.cat([x, x])
-    return x[: max(2, min(int(x.shape[0]), 8))].contiguous()
-
-
-def fresh_inputs(
-    workload: Workload, like: torch.Tensor, batch_size: int, seed: int
-) -> torch.Tensor:
-    """New inputs of ``batch_size``, shaped and typed like ``like``: token ids over the
-    vocabulary, images uniform in [0, 1) (the digits' range), other floats normal."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (batch_size, *like.shape[1:])
-    if not like.is_floating_point():
-        high = (
-            workload.make_config().vocab_size
-            if workload.kind == "lm"
-            else int(like.max()) + 1
-        )
-        return torch.randint(high, shape, generator=g, dtype=like.dtype)
-    if workload.kind == "image":
-        return torch.rand(shape, generator=g, dtype=like.dtype)
-    return torch.randn(shape, generator=g, dtype=like.dtype)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
-def _quiet() -> contextlib.ExitStack:
-    """Silence the exporter's progress prints and warnings (they go to the log)."""
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(3)  # ORT's own sessions: errors only
-    stack = contextlib.ExitStack()
-    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
-    stack.enter_context(warnings.catch_warnings())
-    warnings.simplefilter("ignore")
-    for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript"):
-        logger = logging.getLogger(name)
-        stack.callback(logger.setLevel, logger.level)
-        logger.setLevel(logging.ERROR)
-    return stack
-
-
-_OP_PATTERNS = (
-    re.compile(r"OpOverload\(op='([^']+)'"),
-    re.compile(r"target=torch\.ops\.([\w.]+?)(?:\.default)?\]"),
-    re.compile(r"operator[: ]+'?([\w:.]+)'?", re.IGNORECASE),
-)
-
-
-def _causes(e: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
-def unsupported_operator(e: BaseException) -> str | None:
-    """The operator an export failure names, e.g. ``mylib.op`` or ``aten.foo``."""
-    for cause in _causes(e):
-        text = str(cause)
-        for pattern in _OP_PATTERNS:
-            m = pattern.search(text)
-            if m:
-                return m.group(1)
-    return None
-
-
-def _failure_message(e: BaseException, name: str) -> str:
-    op = unsupported_operator(e)
-    if op is not None:
-        return (
-            f"cannot export {name} to ONNX: operator {op} has no ONNX translation. "
-            f"Replace it in the model with standard torch operations, or give "
-            f"torch.onnx.export a custom_translation_table entry for it"
-        )
-    last = list(_causes(e))[-1]
-    first_line = str(last).strip().splitlines()[0] if str(last).strip() else ""
-    return f"cannot export {name} to ONNX: {type(last).__name__}: {first_line}"
-
-
-def export_onnx(
-    model: nn.Module,
-    workload: Workload,
-    path: str | os.PathLike[str],
-    *,
-    external_data: bool | None = None,
-) -> Path:
-    """Export ``model`` (eval mode) to ``path``: input ``inputs`` with a dynamic batch
-    axis, output ``logits``.
-
-    Args:
-        external_data: weights in a side file ``<path>.data``; by default only above
-            ``EXTERNAL_DATA_BYTES`` (protobuf files cannot exceed 2 GB).
-
-    Raises:
-        ExportError: the exporter failed; the message names the operator it could not
-            translate when it said which.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    x = export_input(workload, model)
-    if external_data is None:
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        external_data = size > EXTERNAL_DATA_BYTES
-    batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    # A single file is written beside and then moved into place; with external data
-    # the graph names its side file (``<path>.data``), so it is written in place.
-    tmp = path if external_data else path.with_name(f".{path.name}.tmp")
-    t0 = time.perf_counter()
-    try:
-        with _eval_mode(model), _quiet():
-            torch.onnx.export(
-                model,
-                (x,),
-                str(tmp),
-                dynamo=True,
-                optimize=False,
-                verbose=False,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                dynamic_shapes=({0: batch},),
-                external_data=external_data,
-            )
-    except Exception as e:
-        tmp.unlink(missing_ok=True)
-        raise ExportError(_failure_message(e, workload.name)) from e
-    if tmp != path:
-        os.replace(tmp, path)
-    log.info(
-        "exported %s to %s in %.1f s", workload.name, path, time.perf_counter() - t0
-    )
-    return path
-
-
-@torch.no_grad()
-def verify(
-    model: nn.Module,
-    workload: Workload,
-    path: str | os.PathLike[str],
-    *,
-    batch_sizes: Sequence[int] = VERIFY_BATCH_SIZES,
-    seed: int = 1234,
-) -> dict[str, Any]:
-    """ONNX Runtime against torch on fresh inputs, one check per batch size.
-
-    Returns:
-        ``ok``, ``tolerance`` (the rule), and per batch size ``max_abs_diff``,
-        ``bound`` and ``max_abs_output``.
-    """
-    session = make_session(str(path), low_memory=False)
-    like = export_input(workload, model)
-    rows = []
-    with _eval_mode(model):
-        for i, b in enumerate(batch_sizes):
-            x = fresh_inputs(workload, like, b, seed + i)
-            ref = model(x)
-            ref = ref[0] if isinstance(ref, tuple | list) else ref
-            ref_np = ref.float().numpy()
-            got = run_logits(session, x.numpy())
-            if got.shape != ref_np.shape:
-                raise ExportError(
-                    f"{workload.name}: ONNX output shape {got.shape} differs from "
-                    f"torch's {ref_np.shape} at batch size {b}"
-                )
-            diff = float(np.abs(got.astype(np.float64) - ref_np).max())
-            top = float(np.abs(ref_np).max())
-            rows.append(
-                {
-                    "batch_size": b,
-                    "max_abs_diff": diff,
-                    "max_abs_output": top,
-                    "bound": RTOL * max(1.0, top),
-                }
-            )
-    return {
-        "ok": all(r["max_abs_diff"] <= r["bound"] for r in rows),
-        "tolerance": f"max |ort - torch| <= {RTOL:g} * max(1, max |torch|)",
-        "max_abs_diff": max(r["max_abs_diff"] for r in rows),
-        "batches": rows,
-    }
-
-
-def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Dynamic int8 quantisation of ``src`` into ``dst`` (weights int8, activations
-    quantised per call)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    dst = Path(dst)
-    large = os.path.getsize(src) > EXTERNAL_DATA_BYTES or Path(f"{src}.data").exists()
-    with tempfile.TemporaryDirectory(prefix="fleetfit-quant-") as tmp:
-        pre = os.path.join(tmp, "pre.onnx")
-        # Folds Transpose(weight) -> MatMul into a constant weight, which dynamic
-        # quantisation needs to see; no symbolic shape inference (not needed here).
-        with _quiet():
-            quant_pre_process(
-                str(src), pre, skip_symbolic_shape=True, save_as_external_data=large
-            )
-            out = dst.with_name(f".{dst.name}.tmp")
-            quantize_dynamic(
-                pre,
-                str(out),
-                weight_type=QuantType.QInt8,
-                use_external_data_format=large,
-            )
-    os.replace(out, dst)
-    return dst
 
 
 def _metrics(m: dict[str, float]) -> dict[str, float]:
@@ -304,15 +103,18 @@ def export_model(
     *,
     quantize: bool = False,
     report_path: str | os.PathLike[str] | None = None,
-    batch_sizes: Sequence[int] = VERIFY_BATCH_SIZES,
+    batch_sizes: Sequence[int] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export, verify, optionally quantise, evaluate; write the report.
 
     Writes ``path`` (e.g. ``model.onnx``), with ``quantize`` also ``model.int8.onnx``
     beside it, and the JSON report at ``report_path`` (default: ``export.json`` beside
-    ``path``). Held-out metrics (torch, ORT, int8 ORT) need a classifier or language
-    model; other workloads get ``evaluation: null``.
+    ``path``). Held-out metrics (torch, ORT, int8 ORT) need a classifier, a language
+    model or an ``any_model`` workload (its ``eval_batches``; ORT's only where its
+    loss follows from the logits, else ``onnxruntime_not_computed`` says why); other
+    workloads get ``evaluation: null``. A quantisation that fails leaves
+    ``int8: {"error": ...}``.
 
     Raises:
         ExportError: export failed (naming the operator) or ORT disagrees with torch
@@ -321,57 +123,141 @@ def export_model(
     path = Path(path)
     report_path = Path(report_path) if report_path else path.with_name(REPORT_FILE)
     t0 = time.perf_counter()
-    export_onnx(model, workload, path)
+    _, described = export_graph(model, workload, path, None)
     export_s = time.perf_counter() - t0
     check = verify(model, workload, path, batch_sizes=batch_sizes)
-    like = export_input(workload, model)
     report: dict[str, Any] = {
         "schema": 1,
         "workload": workload.name,
+        **({"model_class": type(model).__name__} if workload.any_model else {}),
         **(extra or {}),
         "file": path.name,
         "bytes": _file_bytes(path),
-        "input": {
-            "name": INPUT_NAME,
-            "shape": ["batch", *like.shape[1:]],
-            "dtype": str(like.dtype).removeprefix("torch."),
-        },
+        **described,
         "output": OUTPUT_NAME,
         "export_s": export_s,
         "verification": check,
         "evaluation": None,
         "int8": None,
     }
-    if workload.kind in ("image", "lm"):
+    evaluate: Callable[[Path], dict[str, float]] | None = None
+    if workload.any_model:
+        report["evaluation"], evaluate = _evaluate_any(model, workload, path)
+    elif workload.kind in ("image", "lm"):
         x, y = workload.eval_arrays()
+
+        def evaluate(p: Path) -> dict[str, float]:
+            return _metrics(evaluate_arrays(make_session(str(p)), x, y, workload.kind))
+
         report["evaluation"] = {
             "num_examples": int(y.size),
             "torch": _metrics(workload.evaluate(model)),
-            "onnxruntime": _metrics(
-                evaluate_arrays(make_session(str(path)), x, y, workload.kind)
-            ),
+            "onnxruntime": evaluate(path),
         }
     if quantize:
-        q = quantize_int8(
-            path, path.with_name(path.name.removesuffix(".onnx") + ".int8.onnx")
-        )
-        int8: dict[str, Any] = {"file": q.name, "bytes": _file_bytes(q)}
-        if report["evaluation"] is not None:
-            m = _metrics(evaluate_arrays(make_session(str(q)), x, y, workload.kind))
-            base = report["evaluation"]["onnxruntime"]
-            report["evaluation"]["int8"] = m
-            int8["accuracy_change"] = m["accuracy"] - base["accuracy"]
-            int8["loss_change"] = m["loss"] - base["loss"]
-        report["int8"] = int8
+        report["int8"] = _int8(path, report["evaluation"], evaluate)
     atomic_write_bytes(report_path, json.dumps(report, indent=2).encode())
     if not check["ok"]:
         worst = max(check["batches"], key=lambda r: r["max_abs_diff"] / r["bound"])
+        tokens = f", {worst['seq_len']} tokens" if "seq_len" in worst else ""
         raise ExportError(
-            f"{workload.name}: ONNX Runtime disagrees with torch at batch size "
-            f"{worst['batch_size']}: max |diff| {worst['max_abs_diff']:.3g} > bound "
-            f"{worst['bound']:.3g} (report: {report_path})"
+            f"{model_name(model, workload)}: ONNX Runtime disagrees with torch at "
+            f"batch size {worst['batch_size']}{tokens}: max |diff| "
+            f"{worst['max_abs_diff']:.3g} > bound {worst['bound']:.3g} "
+            f"(report: {report_path})"
         )
     return report
+
+
+def _int8(
+    path: Path,
+    evaluation: dict[str, Any] | None,
+    evaluate: Callable[[Path], dict[str, float]] | None,
+) -> dict[str, Any]:
+    """Quantise ``path``; the report's ``int8`` entry (and ``evaluation["int8"]``)."""
+    dst = path.with_name(path.name.removesuffix(".onnx") + ".int8.onnx")
+    try:
+        q = quantize_int8(path, dst)
+    except Exception as e:
+        log.warning("int8 quantisation of %s failed: %s", path, one_line(e))
+        return {"error": f"int8 quantisation failed: {one_line(e)}"}
+    int8: dict[str, Any] = {"file": q.name, "bytes": _file_bytes(q)}
+    base = evaluation.get("onnxruntime") if evaluation else None
+    if evaluation is None or evaluate is None or base is None:
+        return int8
+    try:
+        m = evaluate(q)
+    except Exception as e:  # the float graph evaluated: worth a line, not a failure
+        int8["error"] = f"evaluating the int8 model failed: {one_line(e)}"
+        return int8
+    evaluation["int8"] = m
+    int8["accuracy_change"] = m["accuracy"] - base["accuracy"]
+    int8["loss_change"] = m["loss"] - base["loss"]
+    return int8
+
+
+def _evaluate_any(
+    model: nn.Module, workload: Workload, path: Path
+) -> tuple[dict[str, Any], Callable[[Path], dict[str, float]] | None]:
+    """The report's ``evaluation`` of an ``any_model`` workload on its held-out
+    batches, and the ORT evaluation of a graph (None where it is not computed)."""
+    ev: dict[str, Any] = {"metric": workload.metric_name}
+    try:
+        m = workload.evaluate(model)
+        ev["num_examples"] = int(m["num_examples"])
+        ev["torch"] = _metrics(m)
+    except Exception as e:
+        ev["torch"] = None
+        ev["torch_error"] = one_line(e)
+
+    def evaluate(p: Path) -> dict[str, float]:
+        return _metrics(_ort_metrics_any(model, workload, p))
+
+    try:
+        ev["onnxruntime"] = evaluate(path)
+    except Exception as e:
+        # our ValueErrors are the reason itself; anything else is named
+        why = str(e).strip().split("\n")[0] if type(e) is ValueError else one_line(e)
+        log.info("%s: no ONNX Runtime metrics: %s", workload.name, why)
+        ev["onnxruntime"] = None
+        ev["onnxruntime_not_computed"] = why
+        return ev, None
+    return ev, evaluate
+
+
+def _ort_metrics_any(
+    model: nn.Module, workload: Workload, path: Path
+) -> dict[str, float]:
+    """ORT's metrics on ``eval_batches()`` (``server.export_inputs.LogitsMetrics``).
+
+    Raises:
+        ValueError: they are not defined from logits (the reason), or ORT failed.
+    """
+    assert workload.example is not None
+    spec, _ = any_example(model, workload)
+    batches = workload.eval_batches()
+    if not batches:
+        raise ValueError("the workload has no held-out batches")
+    loss_fn = workload.example[2]
+    output_is_logits = True
+    if loss_fn is not None:  # can loss_fn take the graph's logits for the output?
+        with eval_mode(model), torch.no_grad():
+            out = spec.call(model, spec.tensors(batches[0][0]), **call_flags(model))
+        output_is_logits = isinstance(out, torch.Tensor)
+    metrics = LogitsMetrics(model, loss_fn, output_is_logits)
+    session = make_session(str(path))
+    wanted = {i.name for i in session.get_inputs()}
+    for inputs, targets in batches:
+        x = spec.tensors(inputs)
+        feed = {n: t.numpy() for n, t in zip(spec.names, x, strict=True) if n in wanted}
+        try:
+            logits = np.asarray(session.run(None, feed)[0])
+        except Exception as e:
+            raise ValueError(
+                f"ONNX Runtime failed on a held-out batch: {one_line(e)}"
+            ) from e
+        metrics.add(torch.from_numpy(logits), inputs, targets)
+    return metrics.result()
 
 
 def _file_bytes(path: Path) -> int:
@@ -381,8 +267,8 @@ def _file_bytes(path: Path) -> int:
 
 def load_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[nn.Module, Workload]:
     """The model saved in a run folder's ``model.safetensors`` and its workload, from
-    the file's own metadata (``workload``; ``settings`` for batch size and sequence
-    length).
+    the file's own metadata (``workload``; ``settings`` for a built-in's batch size
+    and sequence length: a ``module:function`` workload's function fixes its batch).
 
     Raises:
         FileNotFoundError: no such file.
@@ -408,17 +294,25 @@ def load_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[nn.Module, Work
         settings = json.loads(meta.get("settings") or "{}")
         if not isinstance(settings, dict):
             raise ValueError("not a JSON object")
-        int(settings.get("batch-size") or 0), int(settings.get("seq-len") or 0)
+        batch_size = int(settings.get("batch-size") or 0) or None
+        seq_len = int(settings.get("seq-len") or 0) or None
     except (ValueError, TypeError) as e:
         raise ExportError(
             f"{path}: its 'settings' metadata is not what a fleetfit run writes ({e})"
         ) from None
     try:
-        workload = get_workload(
-            meta["workload"],
-            batch_size=int(settings.get("batch-size") or 0) or None,
-            seq_len=int(settings.get("seq-len") or 0) or None,
-        )
+        workload = get_workload(meta["workload"])
+        if workload.kind == "custom" and (batch_size or seq_len):
+            log.warning(
+                "%s: ignoring batch-size=%s seq-len=%s in its settings: the batch of "
+                "%s is the one its function builds",
+                path,
+                batch_size,
+                seq_len,
+                workload.name,
+            )
+        elif batch_size or seq_len:
+            workload = workload.with_shape(batch_size, seq_len)
     except WorkloadError as e:
         raise ExportError(f"{path}: {e}") from e
     model = workload.make_model(0)

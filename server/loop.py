@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from server import persist, privacy, protocol
 from server.aggregate import Update, accept_updates, weighted_average
-from server.assign import Assigner, Assignment, trained_keys
+from server.assign import Assigner, Assignment
 from server.config import ServerConfig
 from server.onnx_rounds import OnnxRounds
 from workloads import get_workload
@@ -231,7 +231,7 @@ class Federation:
                 (
                     None
                     if a.window is None
-                    else frozenset(trained_keys(self.model, a.window))
+                    else frozenset(self.assigner.expected_keys(self.model, a.window))
                     for a in assignments.values()
                     if a.kind != "none"
                 ),
@@ -414,7 +414,7 @@ class Federation:
             expected = (
                 None
                 if a.window is None
-                else frozenset(trained_keys(self.model, a.window))
+                else frozenset(self.assigner.expected_keys(self.model, a.window))
             )
             updates.append(Update(pid, node_id, num, state, expected))
             if loss is not None and math.isfinite(loss):  # a NaN loss is not averaged

@@ -305,7 +305,14 @@ def summarize(
 
 
 def partition_sizes(fleet: Fleet, wl: Workload) -> list[int]:
-    """Training items of every device, as the clients split them."""
+    """Training items of every device, as the clients split them (a workload with
+    its own data: the examples of each node's ``load_data``)."""
+    if wl.own_data:
+        if wl.data_fn is None:  # every node trains the example batch
+            return [wl.batch_size] * fleet.clients
+        return [
+            wl.node_data(p, fleet.clients).num_examples for p in range(fleet.clients)
+        ]
     items = wl.items(train=True)
     parts = split_indices(
         items.groups,
@@ -342,9 +349,22 @@ def class_eval(
     model = trained.make_model(0)
     state, _ = load_model(path)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-    test = wl.items(train=False)
     metric = wl.metric_name
     out: dict[str, float] = {}
+    if wl.own_data:  # each class on its devices' own held-out batches
+        from workloads.node_data import evaluate_batches
+
+        for k, c in enumerate(fleet.classes):
+            batches = [
+                b
+                for p in range(fleet.clients)
+                if fleet.partition_class[p] == k
+                for b in trained.eval_batches(p, fleet.clients)
+            ]
+            if batches:
+                out[c.name] = evaluate_batches(model, batches, trained.loss_fn)[metric]
+        return out
+    test = wl.items(train=False)
     if fleet.split == "natural":
         owner = class_groups(wl.items(train=True).groups, fleet.partition_class)
         for k, c in enumerate(fleet.classes):

@@ -119,14 +119,18 @@ class SimulationSettings:
                 f"classes has {len(self.classes)} entries for {self.num_clients} "
                 "clients: give one class index per client"
             )
-        wl.client_items(
-            0,
-            self.num_clients,
-            self.split,
-            seed=self.seed,
-            alpha=self.dirichlet_alpha,
-            classes=self.classes or None,
-        )
+        if wl.own_data:  # its load_data answers for the first client, up front
+            if wl.data_fn is not None:
+                wl.node_data(0, self.num_clients)
+        else:
+            wl.client_items(
+                0,
+                self.num_clients,
+                self.split,
+                seed=self.seed,
+                alpha=self.dirichlet_alpha,
+                classes=self.classes or None,
+            )
         return cfg
 
 

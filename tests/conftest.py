@@ -6,6 +6,10 @@ import os
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+if "FLEETFIT_CACHE_DIR" not in os.environ:  # the machine cache of this test session
+    import tempfile
+
+    os.environ["FLEETFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fleetfit-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from memory.plan import min_budget_bytes, plan_memory, predict
+from memory.profile import loading_from_file
 from memory.spec import MemoryPlan
-from partition.run import loading_from_file, measured_run, profile_workload
+from partition.run import measured_run, profile_workload
 from workloads import get_workload
 
 pytestmark = pytest.mark.slow

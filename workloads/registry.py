@@ -5,10 +5,23 @@ Built-in names are listed in ``BUILTIN_WORKLOADS``; anything else must be a
 ``loss_fn(model(inputs), targets)``. The module is imported with the caller's
 ``sys.path`` (its current directory and ``PYTHONPATH``); ``child_env`` passes that path
 on to child processes.
+
+The models users have (transformers, keyword arguments, dict inputs) fit too:
+``inputs`` may be a tensor, a tuple or list (``model(*inputs)``) or a dict of tensors
+(``model(**inputs)``), ``targets`` a tensor or None, and ``loss_fn`` a callable or None
+(the model's own ``output.loss``, as transformers computes it from ``labels``). Such a
+workload is marked ``Workload.any_model``: ``fleetfit memory`` plans it per unit
+(``memory.units``) and the federation trains it so; partition pipelines and ONNX
+evaluation on arrays refuse it (``Workload.require_tensors``).
+
+A custom workload's module may define ``load_data(partition_id, num_partitions)``,
+each node's own ``(train_batches, eval_batches)`` (``workloads.node_data``); without
+it every node trains the example batch.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -16,6 +29,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads import data as data_mod
-from workloads import models
+from workloads import models, node_data
 from workloads.errors import WorkloadError
 from workloads.splits import split_indices
 
@@ -37,6 +51,9 @@ EVAL_MAX_ITEMS = 256  # central evaluation of language models: first 256 test wi
 
 def _cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs, targets)
+
+
+TENSOR_PATHS = "partition pipelines and ONNX evaluation on arrays"
 
 
 @dataclass(frozen=True)
@@ -59,11 +76,96 @@ class Workload:
     dataset: str = "none"  # digits | corpus | synthetic | example
     custom_batch: Batch | None = field(default=None, repr=False)
     scale: float = 1.0  # width (and depth) factor of a shrunk built-in: NAME@SCALE
+    any_model: bool = False
+    """A ``module:function`` workload beyond ``(model, (tensor, tensor), loss_fn)``:
+    tuple, list or dict inputs, no targets, or the model's own loss: planned and
+    trained per unit (``memory.units``); ``require_tensors`` refuses it elsewhere."""
+    data_fn: Callable[[int, int], Any] | None = field(default=None, repr=False)
+    """A custom workload's ``load_data(partition_id, num_partitions)`` (None: every
+    node trains the example batch)."""
+    example: tuple[Any, Any, Callable | None] | None = field(default=None, repr=False)
+    """A custom workload's ``(inputs, targets, loss_fn)`` as its function returned
+    them (``loss_fn`` None: the model's own loss)."""
+
+    def require_tensors(self, what: str = TENSOR_PATHS) -> None:
+        """Refuse an ``any_model`` workload where ``what`` needs tensor batches.
+
+        Raises:
+            WorkloadError: one line naming the workload, why, and what takes it.
+        """
+        if not self.any_model:
+            return
+        why = ", ".join(_beyond(*self.example)) if self.example else "its batch"
+        raise WorkloadError(
+            f"workload {self.name} ({why}) trains with `fleetfit memory` and in "
+            f"federations; {what} take only (model, (inputs_tensor, targets_tensor), "
+            "loss_fn) workloads"
+        )
 
     @property
     def metric_name(self) -> str:
-        """``accuracy`` for classifiers, ``perplexity`` for language models."""
+        """``accuracy`` for classifiers, ``perplexity`` for language models (an
+        ``any_model`` workload whose labels are per token)."""
+        if self.any_model and self.example is not None:
+            pair = (self.example[0], self.example[1])
+            return "perplexity" if node_data.is_token_level(pair) else "accuracy"
         return "perplexity" if self.kind == "lm" else "accuracy"
+
+    @property
+    def own_data(self) -> bool:
+        """Trained on batches the workload gives (``load_data`` or an ``any_model``
+        example batch), not on items of a built-in dataset."""
+        return self.data_fn is not None or self.any_model
+
+    def node_data(self, partition_id: int, num_partitions: int) -> node_data.NodeData:
+        """One node's batches from ``load_data`` (loaded once per process).
+
+        Raises:
+            WorkloadError: a partition id outside ``0..num_partitions - 1``, no
+                ``load_data``, or a ``load_data`` that fails or returns something else
+                than ``(train_batches, eval_batches)``.
+        """
+        if not 0 <= partition_id < num_partitions:
+            raise WorkloadError(
+                f"partition id {partition_id} is outside 0..{num_partitions - 1}"
+            )
+        if self.data_fn is None:
+            raise WorkloadError(f"workload {self.name} has no {node_data.LOAD_DATA}")
+        return _node_data(self.name, self.data_fn, partition_id, num_partitions)
+
+    def node_batches(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        server_round: int,
+        local_steps: int,
+    ) -> tuple[list[Any], int]:
+        """A round's batches for one node and its number of training examples:
+        ``load_data``'s train batches from ``(server_round - 1) * local_steps`` on, or
+        the example batch at every step without ``load_data``.
+
+        Raises:
+            WorkloadError: as ``node_data``, or a batch larger than the example batch.
+        """
+        assert self.example is not None
+        example = (self.example[0], self.example[1])
+        if self.data_fn is None:
+            return [example] * local_steps, node_data.batch_size_of(example[0])
+        nd = self.node_data(partition_id, num_partitions)
+        batches = nd.train_batches((server_round - 1) * local_steps, local_steps)
+        for b in batches:
+            node_data.check_fits(b, example, nd.where)
+        return batches, nd.num_examples
+
+    def eval_batches(self, partition_id: int = 0, num_partitions: int = 1) -> list[Any]:
+        """Held-out batches of a workload with its own data: ``load_data``'s eval
+        batches of the node (central evaluation: partition 0 of 1, all of them), or
+        the example batch without ``load_data``."""
+        assert self.example is not None
+        if self.data_fn is None:
+            return [(self.example[0], self.example[1])]
+        return self.node_data(partition_id, num_partitions).eval_batches()
 
     def with_shape(
         self, batch_size: int | None = None, seq_len: int | None = None
@@ -73,15 +175,16 @@ class Workload:
         t = self.seq_len if seq_len is None else seq_len
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise WorkloadError(f"batch size must be a positive integer, got {b!r}")
+        if self.kind == "custom" and (batch_size is not None or seq_len is not None):
+            raise WorkloadError(
+                f"{self.name} is a custom workload whose batch is fixed by its "
+                "function (it cannot be reshaped); drop --batch/--seq and change the "
+                "batch in the function"
+            )
         if self.kind != "lm":
             if seq_len is not None:
                 raise WorkloadError(
                     f"--seq applies to language models only; {self.name} has no sequence"
-                )
-            if self.kind == "custom" and batch_size is not None:
-                raise WorkloadError(
-                    f"{self.name} is a custom workload whose batch is fixed by its "
-                    "function; drop --batch"
                 )
         else:
             assert t is not None
@@ -119,6 +222,7 @@ class Workload:
     # ---------------------------------------------------------------- data
     def items(self, train: bool = True) -> data_mod.Items:
         """All training (or held-out test) items of this workload's dataset."""
+        self.require_tensors()
         if self.dataset == "digits":
             return data_mod.digits()[0 if train else 1]
         if self.dataset == "corpus":
@@ -164,6 +268,10 @@ class Workload:
 
     def batches(self, items: data_mod.Items, seed: int) -> Iterator[Batch]:
         """An endless, seeded stream of training batches drawn from ``items``."""
+        self.require_tensors()  # here, not at the first batch
+        return self._batches(items, seed)
+
+    def _batches(self, items: data_mod.Items, seed: int) -> Iterator[Batch]:
         g = torch.Generator().manual_seed(seed)
         if self.dataset == "example":
             assert items.targets is not None
@@ -192,6 +300,7 @@ class Workload:
 
     def example_batch(self, seed: int = 0) -> Batch:
         """One training batch of the default shape (the custom workload's own batch)."""
+        self.require_tensors()
         if self.custom_batch is not None:
             return self.custom_batch
         return next(self.batches(self.items(train=True), seed))
@@ -200,7 +309,11 @@ class Workload:
     def evaluate(
         self, model: nn.Module, items: data_mod.Items | None = None
     ) -> dict[str, float]:
-        """Loss and accuracy (and perplexity for language models) on held-out items."""
+        """Loss and accuracy (and perplexity for language models) on held-out items
+        (a workload with its own data: on ``eval_batches()``)."""
+        if self.own_data and items is None:
+            return node_data.evaluate_batches(model, self.eval_batches(), self.loss_fn)
+        self.require_tensors()
         items = self.items(train=False) if items is None else items
         was_training = model.training
         model.eval()
@@ -233,6 +346,7 @@ class Workload:
         ``EVAL_MAX_ITEMS`` windows of ``seq_len`` token ids (int64) and the next tokens.
         For runtimes without torch (``onnxrun``).
         """
+        self.require_tensors()
         items = self.items(train=False) if items is None else items
         batches = list(self._eval_batches(items))
         x = torch.cat([b[0] for b in batches]) if batches else items.inputs[:0]
@@ -421,36 +535,130 @@ def _load_custom(spec: str) -> Workload:
     if not callable(func):
         raise WorkloadError(f"module {module_name!r} has no function {func_name!r}")
 
-    def build() -> tuple[nn.Module, Batch, LossFn]:
-        result = func()
-        ok = (
-            isinstance(result, tuple)
-            and len(result) == 3
-            and isinstance(result[0], nn.Module)
-            and isinstance(result[1], tuple | list)
-            and len(result[1]) == 2
-            and all(isinstance(t, torch.Tensor) for t in result[1])
-            and callable(result[2])
-        )
-        if not ok:
-            raise WorkloadError(
-                f"{spec} must return (model, (inputs, targets), loss_fn) with an "
-                f"nn.Module and two tensors; got {type(result).__name__}"
-            )
-        return result[0], (result[1][0], result[1][1]), result[2]
+    def build() -> tuple[nn.Module, Any, Any, Callable | None]:
+        return _check_result(spec, func())
 
     torch.manual_seed(0)
-    _, batch, loss_fn = build()
+    _, inputs, targets, loss_fn = build()
+    beyond = _beyond(inputs, targets, loss_fn)
     return Workload(
         spec,
         "custom",
-        int(batch[0].shape[0]) if batch[0].dim() else 1,
+        node_data.batch_size_of(inputs),
         None,
         lambda: build()[0],
-        loss_fn,
+        _own_loss if loss_fn is None else loss_fn,
         "example",
-        batch,
+        None if beyond else (inputs, targets),
+        any_model=bool(beyond),
+        example=(inputs, targets, loss_fn),
+        data_fn=_data_fn(module, spec),
     )
+
+
+def _data_fn(module: Any, spec: str) -> Callable[[int, int], Any] | None:
+    fn = getattr(module, node_data.LOAD_DATA, None)
+    if fn is not None and not callable(fn):
+        raise WorkloadError(
+            f"{spec.split(':')[0]}.{node_data.LOAD_DATA} is a {type(fn).__name__}, "
+            "not a function (partition_id, num_partitions) -> (train, eval)"
+        )
+    return fn
+
+
+@functools.lru_cache(maxsize=8)
+def _node_data(
+    spec: str, fn: Callable, partition_id: int, num_partitions: int
+) -> node_data.NodeData:
+    return node_data.NodeData(spec, fn, partition_id, num_partitions)
+
+
+def _beyond(inputs: Any, targets: Any, loss_fn: Callable | None) -> list[str]:
+    """What takes a custom workload beyond ``(model, (tensor, tensor), loss_fn)``."""
+    out = []
+    if not isinstance(inputs, torch.Tensor):
+        out.append(f"{type(inputs).__name__} inputs")
+    if targets is None:
+        out.append("no targets")
+    if loss_fn is None:
+        out.append("the model's own loss")
+    return out
+
+
+def _own_loss(output: Any, targets: Any) -> torch.Tensor:
+    """The loss of a workload whose ``loss_fn`` is None: the model's ``output.loss``."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise WorkloadError(
+            f"the model's output ({type(output).__name__}) has no loss; give the "
+            "inputs labels or return a loss_fn(output, targets)"
+        )
+    return loss
+
+
+_CONTRACT = (
+    "(model, (inputs, targets), loss_fn): an nn.Module; inputs a tensor, a tuple/list "
+    "or a dict of tensors with the batch first; targets a tensor or None; loss_fn a "
+    "callable or None (the model's own output.loss)"
+)
+
+
+def _check_result(
+    spec: str, result: Any
+) -> tuple[nn.Module, Any, Any, Callable | None]:
+    """``(model, inputs, targets, loss_fn)`` of what ``spec``'s function returned.
+
+    Raises:
+        WorkloadError: one line naming the spec, what is wrong and the contract.
+    """
+
+    def fail(what: str) -> WorkloadError:
+        return WorkloadError(f"{spec} must return {_CONTRACT}; {what}")
+
+    if not isinstance(result, tuple | list) or len(result) != 3:
+        n = f" of {len(result)}" if isinstance(result, tuple | list) else ""
+        raise fail(f"got {type(result).__name__}{n}")
+    model, batch, loss_fn = result
+    if not isinstance(model, nn.Module):
+        raise fail(f"the model is {type(model).__name__}, not an nn.Module")
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        n = f" of {len(batch)}" if isinstance(batch, tuple | list) else ""
+        raise fail(f"the batch is {type(batch).__name__}{n}, not (inputs, targets)")
+    inputs, targets = batch
+    if isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs):
+        raise fail("the inputs dict has keys that are not strings (argument names)")
+    if not isinstance(inputs, torch.Tensor | tuple | list | dict):
+        raise fail(f"the inputs are {type(inputs).__name__}")
+    if not isinstance(inputs, torch.Tensor) and not any(
+        t.dim() for t in node_data.tensors_of(inputs)
+    ):
+        raise fail("the inputs hold no tensor with a batch dimension")
+    if targets is not None and not isinstance(targets, torch.Tensor):
+        raise fail(f"the targets are {type(targets).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise fail(f"loss_fn is {type(loss_fn).__name__}, not callable")
+    return model, inputs, targets, loss_fn
+
+
+def refuse_any_model(name: object, what: str) -> None:
+    """Refuse, before anything starts, a ``module:function`` workload that only
+    ``fleetfit memory`` takes (``Workload.any_model``), for ``what``.
+
+    A name that does not load here is left to the caller's own loading, which reports
+    it as it always has.
+
+    Raises:
+        WorkloadError: the workload is ``any_model`` (one line).
+    """
+    if not isinstance(name, str) or ":" not in name:
+        return  # built-ins (and shrunk ones) take tensors
+    try:
+        wl = get_workload(name)
+    except WorkloadError:
+        return
+    wl.require_tensors(what)
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:

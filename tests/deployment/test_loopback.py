@@ -75,7 +75,15 @@ def wait_healthy(port: int, timeout_s: float = 60) -> None:
     raise TimeoutError(f"SuperLink on port {port} not healthy after {timeout_s} s")
 
 
-def test_superlink_two_supernodes_flwr_run(tmp_path):
+HF = (
+    "examples.transformers_gpt2:build"  # a transformers GPT-2 with each node's own data
+)
+
+
+@pytest.mark.parametrize("workload", ["digits-cnn", HF])
+def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
+    if workload == HF:
+        pytest.importorskip("transformers")
     env = dict(
         os.environ,
         FLWR_TELEMETRY_ENABLED="0",
@@ -100,6 +108,8 @@ def test_superlink_two_supernodes_flwr_run(tmp_path):
             ],
             dict(env, FLWR_HOME=str(tmp_path / "link")),
         )
+        # node 1 of the transformers run: too small for the whole model
+        small = " memory-budget='113MiB' disk-budget='0'"
         for i in range(2):
             procs.start(
                 f"supernode{i}",
@@ -113,7 +123,9 @@ def test_superlink_two_supernodes_flwr_run(tmp_path):
                     "--port",
                     str(free_port()),
                     "--node-config",
-                    f"partition-id={i} num-partitions=2",
+                    f"partition-id={i} num-partitions=2"
+                    + (f" allow-workloads='{HF}'" if workload == HF else "")
+                    + (small if i and workload == HF else ""),
                 ],
                 dict(env, FLWR_HOME=str(tmp_path / f"node{i}")),
             )
@@ -125,7 +137,11 @@ def test_superlink_two_supernodes_flwr_run(tmp_path):
             f'address = "127.0.0.1:{port}"\ninsecure = true\n'
         )
         out = tmp_path / "run"
-        run_config = f"num-server-rounds=2 local-steps=20 min-nodes=2 out='{out}'"
+        steps = 20 if workload == "digits-cnn" else 4
+        run_config = (
+            f"num-server-rounds=2 local-steps={steps} min-nodes=2 out='{out}' "
+            f"workload='{workload}'"
+        )
         done = subprocess.run(
             [
                 str(BIN / "flwr"),
@@ -146,7 +162,12 @@ def test_superlink_two_supernodes_flwr_run(tmp_path):
         summary = json.loads((out / "summary.json").read_text())
         assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
         assert all(r["num_clients"] == 2 for r in summary["rounds"])
-        assert summary["rounds"][-1]["accuracy"] > 0.5
+        if workload == HF:  # random weights: perplexity ~256 on bytes
+            kinds = {a["kind"] for r in summary["rounds"] for a in r["assignments"]}
+            assert kinds == {"full", "part"}, kinds
+            assert summary["rounds"][-1]["perplexity"] < 100, summary["rounds"]
+        else:
+            assert summary["rounds"][-1]["accuracy"] > 0.5
         assert (out / "model.safetensors").exists()
     finally:
         procs.stop()

@@ -86,7 +86,11 @@ def train(name: str, steps: int = 3, recompute: bool = False) -> dict:
     for _ in range(steps):
         h = x
         for b in blocks:
-            h = checkpoint(b.module, h, use_reentrant=False) if recompute else b.module(h)
+            h = (
+                checkpoint(b.module, h, use_reentrant=False)
+                if recompute
+                else b.module(h)
+            )
         loss = wl.loss_fn(h, y)
         loss.backward()
         opt.step()

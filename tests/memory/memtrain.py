@@ -29,7 +29,11 @@ def train(steps: int = 3, recompute: bool = False) -> dict:
     for _ in range(steps):
         h = x
         for b in blocks:
-            h = checkpoint(b.module, h, use_reentrant=False) if recompute else b.module(h)
+            h = (
+                checkpoint(b.module, h, use_reentrant=False)
+                if recompute
+                else b.module(h)
+            )
         loss = _WL.loss_fn(h, y)
         loss.backward()
         opt.step()

@@ -184,12 +184,13 @@ def test_search_equals_brute_force_on_six_blocks_and_a_budget_grid(seed):
 
 
 def test_128_blocks_plan_fast_at_every_budget():
-    """Issue 3: 100+ blocks in under a second. The bound here is 2 s per call so that
-    a loaded CI machine passes; the timings are printed (``-s``), see docs/memory.md."""
+    """Issue 3: 100+ blocks in under a second. The bound here is 2 s of this process's
+    CPU time per call (not wall time: other work on the machine does not count); the
+    timings are printed (``-s``), see docs/memory.md."""
     prof = gpt_like_profile(126)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     lo = P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK)
-    timings = {"min_budget_bytes": time.perf_counter() - t0}
+    timings = {"min_budget_bytes": time.process_time() - t0}
     plain = P._predict(P._Model(prof, 1, 1), ["K"] * 128)
     budgets = {
         "minimum": lo,
@@ -200,9 +201,9 @@ def test_128_blocks_plan_fast_at_every_budget():
         "None": None,
     }
     for name, budget in budgets.items():
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         plan = P.plan_memory(prof, budget, disk_budget_bytes=BIG_DISK, batch_size=4)
-        timings[name] = time.perf_counter() - t0
+        timings[name] = time.process_time() - t0
         if budget is not None:
             assert plan.predicted_peak_bytes <= budget
     assert plan.predicted_peak_bytes == lo  # None: the smallest plan

@@ -25,8 +25,11 @@ from workloads import get_workload
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
-ROUNDS = 3
-ROUND_TIMEOUT_S = 20
+ROUNDS = 2  # the second round shows that a late reply never counts in a later one
+# The healthy node must reply within the deadline also on a loaded machine: each
+# message starts a fresh ClientApp process (about 3 s of imports when idle). At 20 s
+# it gave "no reply" in round 1 while other test processes loaded the 2 cores.
+ROUND_TIMEOUT_S = 45
 
 
 def client(port: int, pid: int, num: int) -> list[str]:

@@ -1,0 +1,1 @@
+"""Example workloads: user code as fleetfit takes it (``module:function``)."""

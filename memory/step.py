@@ -1,0 +1,550 @@
+"""Training steps of any model under a memory plan, with the settings users expect.
+
+``PlannedTrainer`` applies the plan to the model's units (``memory.apply``) and runs
+AdamW steps: the batch is cut into the plan's micro-batches (``memory.batch``), each
+micro-batch's loss weighted by its share of the items that count, gradients
+accumulated; then, optionally, global gradient-norm clipping, a learning-rate
+schedule and accumulation over several calls before the update.
+
+With every unit resident the whole gradient exists before the update, so the global
+norm is exact (``torch.nn.utils.clip_grad_norm_``). Results equal plain training
+(``loss.backward(); AdamW.step()``): bit for bit when only data moves (recompute,
+offload), within float tolerance when micro-batching changes the order of sums.
+
+Example:
+    >>> trainer = PlannedTrainer(model, plan, inputs, settings=TrainSettings(lr=3e-4))
+    >>> loss = trainer.step(inputs)  # doctest: +SKIP
+    >>> trainer.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memory.apply import AppliedPlan
+from memory.batch import count_items, loss_of, split_batch
+from memory.blocks import Block
+from memory.errors import MemoryPlanError
+from memory.guard import MemoryGuard
+from memory.head import ChunkedHead
+from memory.materialize import (
+    StateSource,
+    has_meta_parameters,
+    materialize,
+    params_on_meta,
+    streamed_parameter_ids,
+)
+from memory.spec import MemoryPlan
+from memory.units import call_model, find_units, no_kv_cache
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """AdamW and the step's extras.
+
+    Attributes:
+        lr: learning rate (before the schedule).
+        betas, eps, weight_decay: AdamW's.
+        clip_norm: clip the global gradient norm to this (None: no clipping).
+        accumulate_steps: calls of ``step`` whose gradients add up before one update
+            (each call's loss weighted 1 / accumulate_steps).
+        lr_schedule: ``lr_schedule(update_index) -> factor`` on ``lr`` (None: 1).
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    clip_norm: float | None = None
+    accumulate_steps: int = 1
+    lr_schedule: Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm={self.clip_norm} must be positive or None")
+        if self.accumulate_steps < 1:
+            raise ValueError(
+                f"accumulate_steps={self.accumulate_steps} must be at least 1"
+            )
+
+
+def make_optimizer(
+    model: nn.Module, settings: TrainSettings, exclude: set[int] | None = None
+) -> torch.optim.AdamW | None:
+    """AdamW over the trainable parameters (each tied parameter once), less those
+    whose ``id`` is in ``exclude`` (streamed: the store updates them)."""
+    skip = exclude or set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
+    if not params:
+        return None  # everything is streamed
+    return torch.optim.AdamW(
+        params,
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+
+
+class PlannedTrainer:
+    """Trains ``model`` under ``plan``.
+
+    Args:
+        model: any module; called as ``memory.units.call_model`` describes.
+        plan: the memory plan; its blocks name the model's units.
+        inputs: an example batch's inputs, to find the units (unless ``units`` given).
+        loss_fn: ``loss_fn(output, targets)``; None uses the model's ``output.loss``.
+        settings: AdamW and the step's extras.
+        units: the units (default: ``find_units(model, inputs)``).
+        offload_dir: where offloaded tensors go (default: a temporary directory).
+        device: where the model runs.
+        count_fn: ``count_fn(inputs, targets) -> int``, the items a micro-batch's mean
+            loss averages over (default: ``memory.batch.count_items``).
+        memory_budget_bytes: stop a step whose resident memory above
+            ``baseline_bytes`` crosses this (``memory.guard.MemoryGuard``, checked at
+            every unit's forward and after the step): ``BudgetExceededError`` names
+            the bytes, the budget and the unit, instead of the kernel's OOM kill.
+        baseline_bytes: the process's resident bytes after its imports (default:
+            when each step starts).
+        init_state: for a model built under ``memory.materialize.params_on_meta``:
+            the state file its parameters are read from (``TensorFile``), resident
+            units now and streamed units straight into the store, one unit at a
+            time; ``units`` must then be given (the model cannot run to find them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: MemoryPlan,
+        inputs: Any = None,
+        *,
+        loss_fn: Callable | None = None,
+        settings: TrainSettings | None = None,
+        units: Sequence[Block] | None = None,
+        offload_dir: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        count_fn: Callable[[Any, Any], int] | None = None,
+        memory_budget_bytes: int | None = None,
+        baseline_bytes: int | None = None,
+        init_state: StateSource | None = None,
+    ) -> None:
+        values = None
+        if has_meta_parameters(model):
+            if init_state is None or units is None:
+                raise MemoryPlanError(
+                    f"{type(model).__name__} has parameters on the meta device; give "
+                    "init_state (the file to read them from) and its units"
+                )
+            values = _materialize(model, plan, units, init_state)
+        self.head: ChunkedHead | None = None
+        if plan.loss_chunks > 1:
+            if loss_fn is not None:
+                raise MemoryPlanError(
+                    "a plan with loss chunks computes the model's own loss in its "
+                    "head; it cannot apply a loss_fn"
+                )
+            self.head = ChunkedHead.find(model, plan.loss_chunks)
+            if self.head is None:
+                raise MemoryPlanError(
+                    f"{type(model).__name__} has no linear output layer to chunk its "
+                    "loss over; plan with loss_chunks=1"
+                )
+            self.head.install()  # before the plan's wrappers, which wrap it
+        if units is None:
+            if inputs is None:
+                raise MemoryPlanError("PlannedTrainer needs example inputs or units")
+            units = find_units(model, inputs)
+        self.model = model
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.settings = settings or TrainSettings()
+        self.count_fn = count_fn or (lambda x, y: count_items(model, x, y))
+        self._use_cache = no_kv_cache(model)
+        self.num_updates = 0
+        self._calls = 0
+        self._last_part = True
+        self.last_grad_norm: float | None = None
+        self.applied = AppliedPlan(
+            units,
+            plan,
+            offload_dir=offload_dir,
+            device=device,
+            hparams=self._hparams,
+            defer=self._defer,
+            values=values,
+        )
+        streamed = self.applied.streamer.stream_ids if self.applied.streamer else set()
+        self.optimizer = make_optimizer(model, self.settings, exclude=streamed)
+        # the run-time guard: each unit's forward (and rerun) checks the resident set
+        self.guard = (
+            MemoryGuard(memory_budget_bytes, baseline_bytes=baseline_bytes)
+            if memory_budget_bytes is not None
+            else MemoryGuard.disabled()
+        )
+        self._guard_hooks = []
+        if memory_budget_bytes is not None:
+            for u in units:
+
+                def check(_m: nn.Module, _a: object, _name: str = u.name) -> None:
+                    self.guard.unit = _name
+                    self.guard.check()
+
+                self._guard_hooks.append(u.module.register_forward_pre_hook(check))
+
+    def step(
+        self, inputs: Any, targets: Any = None, *, num_microbatches: int | None = None
+    ) -> float:
+        """One call: forward and backward of the batch; an update every
+        ``accumulate_steps`` calls. Returns the batch's loss. ``num_microbatches``
+        overrides the plan's for this batch (a short batch that does not divide into
+        the plan's micro-batches: give at least as many, no larger ones)."""
+        with self.guard:
+            loss = self.backward(inputs, targets, num_microbatches=num_microbatches)
+            self._calls += 1
+            if self._calls % self.settings.accumulate_steps == 0:
+                self.guard.unit = "optimizer step"
+                self._update()
+            self.guard.check()
+        return loss
+
+    def backward(
+        self, inputs: Any, targets: Any = None, *, num_microbatches: int | None = None
+    ) -> float:
+        """Forward and backward of one batch under the plan, gradients added to
+        ``.grad`` (scaled by 1 / accumulate_steps); no update. Returns its loss."""
+        m = num_microbatches or self.plan.num_microbatches
+        parts = split_batch(inputs, targets, m)
+        if m > 1:
+            counts = [self.count_fn(x, y) for x, y in parts]
+            total = sum(counts)
+            if total <= 0:
+                raise MemoryPlanError(
+                    "the batch has no item that counts (every label is -100)"
+                )
+            weights = [c / total for c in counts]
+        else:
+            weights = [1.0]
+        scale = 1.0 / self.settings.accumulate_steps
+        loss_value = 0.0
+        streamer = self.applied.streamer
+        try:
+            for j, ((x, y), w) in enumerate(zip(parts, weights)):
+                self._last_part = j == len(parts) - 1
+                if self.head is not None:
+                    loss = self.head.loss_of(self.model, x)
+                else:
+                    out = call_model(self.model, x)
+                    loss = loss_of(out, y, self.loss_fn)
+                    del out
+                part = loss if (w == 1.0 and scale == 1.0) else loss * (w * scale)
+                part.backward()
+                if self.head is not None:
+                    self.head.clear()
+                if streamer is not None:
+                    streamer.end_backward()
+                loss_value += float(loss.detach()) * w
+                del loss, part
+        finally:
+            self.applied.end_step()
+        return loss_value
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients accumulated so far, by parameter name (copies for streamed
+        parameters, whose gradients wait in the store only while an update is deferred:
+        under clipping or accumulation)."""
+        streamer = self.applied.streamer
+        out = {}
+        for n, p in self.model.named_parameters():
+            if streamer is not None and id(p) in streamer.stream_ids:
+                g = streamer.stored_grad(p)
+            else:
+                g = p.grad
+            if g is not None:
+                out[n] = g
+        return out
+
+    def save(
+        self, path: str | os.PathLike, keys: Collection[str] | None = None
+    ) -> None:
+        """Write the model's state to a safetensors file without leaving the plan's
+        memory: one tensor at a time (``memory.tensorfile.write_tensors``), streamed
+        parameters read from their files. A tied parameter is written once, under its
+        first name; the metadata's ``aliases`` maps the other names to it (JSON).
+        ``keys``: only these state-dict names (default: all)."""
+        import json
+
+        from memory.tensorfile import write_tensors
+
+        streamer = self.applied.streamer
+        entries = []
+        aliases: dict[str, str] = {}
+        seen: dict[int, str] = {}
+        wanted = None if keys is None else set(keys)
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if wanted is not None and name not in wanted:
+                continue
+            owner = streamer.owner(t) if streamer is not None else t
+            if id(owner) in seen:
+                aliases[name] = seen[id(owner)]
+                continue
+            seen[id(owner)] = name
+            if streamer is not None and id(owner) in streamer.stream_ids:
+
+                def fetch(p: torch.Tensor = owner) -> torch.Tensor:
+                    assert streamer is not None
+                    return streamer.read(p)
+
+            else:
+
+                def fetch(p: torch.Tensor = owner) -> torch.Tensor:
+                    return p.detach()
+
+            entries.append((name, owner.dtype, list(owner.shape), fetch))
+        meta = {"aliases": json.dumps(aliases, sort_keys=True)} if aliases else None
+        write_tensors(path, entries, meta)
+
+    def _hparams(self) -> dict:
+        s = self.settings
+        lr = s.lr
+        if s.lr_schedule is not None:
+            lr = s.lr * float(s.lr_schedule(self.num_updates))
+        return {
+            "lr": lr,
+            "betas": s.betas,
+            "eps": s.eps,
+            "weight_decay": s.weight_decay,
+        }
+
+    def _defer(self) -> bool:
+        """True while a streamed unit's update must wait for more gradients."""
+        s = self.settings
+        last_call = (self._calls + 1) % s.accumulate_steps == 0
+        return not (self._last_part and last_call and s.clip_norm is None)
+
+    def _update(self) -> None:
+        s = self.settings
+        streamer = self.applied.streamer
+        coef = None
+        if s.clip_norm is not None:
+            coef = self._clip(s.clip_norm)
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self._hparams()["lr"]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if streamer is not None and self._deferred():
+            streamer.update(coef)
+        self.num_updates += 1
+
+    def _deferred(self) -> bool:
+        """Streamed units wait for ``update`` only under clipping (see ``_defer``)."""
+        return self.settings.clip_norm is not None
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Global gradient-norm clipping as ``torch.nn.utils.clip_grad_norm_`` does
+        it (per-tensor norms in parameter order, then their norm), over resident and
+        stored gradients alike; returns the coefficient applied."""
+        streamer = self.applied.streamer
+        stored = streamer.stored_norms() if streamer is not None else {}
+        norms, grads = [], []
+        for p in self.model.parameters():
+            if id(p) in stored:
+                norms.append(stored[id(p)])
+            elif p.grad is not None:
+                norms.append(torch.linalg.vector_norm(p.grad, 2.0))
+                grads.append(p.grad)
+        if not norms:
+            return torch.tensor(1.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        self.last_grad_norm = float(total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return coef
+
+    def close(self, *, restore: bool = True) -> None:
+        """Remove the plan's wrappers and files. With ``restore`` the model gets its
+        trained state back (streamed parameters are read into memory: the whole
+        model); without, streamed parameters stay placeholders (after ``save``)."""
+        for h in self._guard_hooks:
+            h.remove()
+        self._guard_hooks = []
+        self.applied.remove(restore=restore)
+        if self.head is not None:
+            self.head.remove()
+        for cfg in self._use_cache:
+            cfg.use_cache = True
+        self._use_cache = []
+
+    def __enter__(self) -> PlannedTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _materialize(
+    model: nn.Module, plan: MemoryPlan, units: Sequence[Block], source: StateSource
+) -> Callable[[nn.Parameter], torch.Tensor]:
+    """Read a meta-built model's resident parameters from ``source``; returns where
+    the streamer reads the streamed ones (see ``memory.materialize``)."""
+    streamed = [b.name for b in plan.blocks if b.state == "stream"]
+    ids = streamed_parameter_ids(units, streamed)
+    return materialize(model, source, streamed_ids=ids)
+
+
+def units_by_name(model: nn.Module, names: Sequence[str]) -> list[Block]:
+    """The units named (a plan's blocks, in its execution order), without running
+    the model: for a model whose weights are not there yet."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise MemoryPlanError(
+            f"the plan names units {missing[:3]} that {type(model).__name__} does "
+            "not have; make the plan for this model"
+        )
+    return [Block(n, modules[n]) for n in names]
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The function named by ``"package.module:function"``.
+
+    Raises:
+        ValueError: a malformed name, a module that does not import, or no such
+            function (one line naming the value and the fix).
+    """
+    import importlib
+
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(
+            f"model factory {spec!r} is not 'package.module:function'; name a "
+            "function importable from the current directory or PYTHONPATH"
+        )
+    mod_name, fn_name = spec.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(
+            f"model factory {spec!r}: cannot import {mod_name} ({e})"
+        ) from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(
+            f"model factory {spec!r}: {mod_name} has no function {fn_name}"
+        )
+    return fn
+
+
+def warm_up(factory: str, factory_kwargs: dict[str, Any]) -> None:
+    """Build the factory's model on the ``meta`` device and drop it: the library code
+    its construction imports lazily (transformers loads attention and masking modules
+    on first use) is then loaded before a measuring child's baseline, as torch's own
+    lazy imports are (``memory.overhead.preload_runtime``). A factory that cannot run
+    on ``meta`` is skipped; the figures then include those imports."""
+    import logging
+
+    try:
+        with torch.device("meta"):
+            load_factory(factory)(**factory_kwargs)
+    except Exception as e:  # only a warm-up
+        logging.getLogger(__name__).info("warm-up of %s skipped: %s", factory, e)
+
+
+def train_measured(
+    factory: str,
+    factory_kwargs: dict[str, Any],
+    plan: dict | None,
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    seed: int = 0,
+    offload_dir: str | None = None,
+    save: str | None = None,
+    guard: bool = True,
+    init_state: str | None = None,
+) -> dict[str, Any]:
+    """Build a model with ``factory(**factory_kwargs)``, which returns
+    ``(model, (inputs, targets))`` or ``(model, (inputs, targets), loss_fn)`` (a
+    ``module:function`` workload; ``loss_fn`` None: the model's own loss), and train
+    ``steps`` steps on that batch under ``plan`` (None: plain training), returning
+    the losses, each step's seconds and the median after the first; then, with
+    ``save``, write the trained state there (``PlannedTrainer.save``: within the
+    plan's memory). With ``guard`` a plan made for a budget runs under
+    ``MemoryGuard`` at that budget.
+
+    The target of ``memory.measure.measure_in_child``: everything it does, building
+    the model included, counts in the measured peak. Returns the losses and the
+    seconds of each step.
+
+    With ``init_state`` (a safetensors file of the model's state, e.g.
+    ``memory.materialize.save_state``'s) the model is built without its weights
+    (``params_on_meta``) and read from the file, one tensor at a time: streamed units
+    go straight into the store, so the whole model never exists in memory; plain
+    training (``plan`` None) reads every weight, as ``load_state_dict`` would.
+    """
+    import contextlib
+    import statistics
+    import time
+
+    from memory.measure import rss_bytes
+    from memory.tensorfile import TensorFile
+
+    baseline = rss_bytes()  # the measuring child's baseline, just taken
+    torch.manual_seed(seed)
+    with params_on_meta() if init_state else contextlib.nullcontext():
+        built = load_factory(factory)(**factory_kwargs)
+    model, (inputs, targets) = built[0], built[1]
+    loss_fn = built[2] if len(built) > 2 else None
+    source = TensorFile(init_state) if init_state else None
+    try:
+        if source is not None and plan is None:
+            materialize(model, source)  # plain: every weight resident
+        if plan is None:
+            units = find_units(model, inputs)
+            mp = MemoryPlan.plain([u.name for u in units])
+        else:
+            mp = MemoryPlan.from_dict(plan)
+            units = (
+                units_by_name(model, [b.name for b in mp.blocks])
+                if source is not None
+                else find_units(model, inputs)
+            )
+        tr = PlannedTrainer(
+            model,
+            mp,
+            units=units,
+            loss_fn=loss_fn,
+            settings=TrainSettings(lr=lr),
+            offload_dir=offload_dir,
+            memory_budget_bytes=mp.budget_bytes if guard else None,
+            baseline_bytes=baseline,
+            init_state=source,
+        )
+    finally:
+        if source is not None:
+            source.close()  # every weight is in the model or the store now
+    losses, times = [], []
+    try:
+        for s in range(steps):
+            torch.manual_seed(seed + 1 + s)
+            t0 = time.perf_counter()
+            losses.append(tr.step(inputs, targets))
+            times.append(time.perf_counter() - t0)
+        if save:
+            tr.save(save)
+    finally:
+        tr.close(restore=False)  # the state is saved: nothing to bring back
+    later = times[1:] or times
+    return {
+        "losses": losses,
+        "step_times_s": times,
+        "step_s": statistics.median(later),
+    }

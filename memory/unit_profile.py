@@ -1,0 +1,472 @@
+"""Per-unit costs of any model's training step, from its real forward under hooks.
+
+``profile_units`` runs the model's own forward and backward once per micro-batch count
+on a fake copy (``FakeTensorMode``: shapes, no storage, so a model larger than memory
+can be profiled) and attributes what happens to the units (``memory.units``):
+
+- forward: module pre/post hooks mark each unit's call; a dispatch mode follows every
+  storage created (live bytes, peak) and counts FLOPs; saved-tensor hooks record what
+  each unit saves for backward. Work between units (the model's own code: adding
+  position embeddings, building masks, the loss after the head) is *glue*, charged to
+  the unit before it; a unit followed by glue that saves tensors keeps its activations
+  (the plan's wrappers act inside units only, so they could not move the glue's).
+- backward: the autograd nodes created in each unit's forward (and its glue) get
+  pre-hooks, so the dispatch mode knows which unit's backward runs.
+- inputs that several units take (attention masks, rotary tables, an encoder's output
+  read by every decoder layer) live the whole step: they count once, with the batch.
+
+The result is a ``memory.profile.Profile`` whose blocks are the units, so the one
+planner (``memory.plan``) plans any model. Times are FLOPs over the measured matmul
+rate (not calibrated against a measured step).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import flop_registry
+
+from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
+from memory.blocks import Block
+from memory.errors import MemoryPlanError
+from memory.head import ChunkedHead
+from memory.profile import (
+    BlockCosts,
+    BlockProfile,
+    Profile,
+    _LiveBytes,
+    _state,
+    is_batch_dependent,
+    measure_flops_per_s,
+)
+from memory.units import call_model, find_units, no_kv_cache
+
+logger = logging.getLogger(__name__)
+
+GLUE = -1  # owner index of work before the first unit
+
+
+class _Tracker(_LiveBytes):
+    """``memory.profile``'s live-bytes tracking, plus FLOPs per owner (the unit whose
+    forward or backward runs)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.owner = GLUE
+        self.flops = [0] * n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry and self.owner >= 0:
+            try:
+                self.flops[self.owner] += int(
+                    flop_registry[packet](*args, **kwargs, out_val=out)
+                )
+            except Exception:  # a formula that does not take these arguments
+                pass
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.track(t)
+        return out
+
+
+def _key(t: torch.Tensor) -> int:
+    return id(t.untyped_storage())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _Trace:
+    """One forward and backward of the fake model, attributed to units."""
+
+    def __init__(self, units: Sequence[Block], exclude: set[int]) -> None:
+        self.units = list(units)
+        n = len(units)
+        self.n = n
+        self.tracker = _Tracker(n)
+        self.exclude = exclude  # parameter, buffer and batch storages
+        self.level = [0] * n  # live bytes at the unit's first forward entry
+        self.fwd_peak = [0] * n
+        self.bwd_level = [-1] * n
+        self.bwd_peak = [0] * n
+        self.inputs: list[dict[int, int]] = [{} for _ in range(n)]
+        self.outputs: list[dict[int, int]] = [{} for _ in range(n)]
+        self.saved: list[dict[int, int]] = [{} for _ in range(n)]
+        self.glue_saved: list[dict[int, int]] = [{} for _ in range(n)]
+        self.fwd_flops = [0] * n
+        self.current = GLUE  # unit whose forward (or glue) runs
+        self.inside = False
+        self.claimed: set[Any] = set()
+        self.node_owner: dict[Any, int] = {}
+        self.no_grad_peak = [0] * n
+
+    # ---------------------------------------------------------------- forward
+    def _claim(self, tensors: list[torch.Tensor], owner: int) -> None:
+        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.claimed:
+                continue
+            self.claimed.add(node)
+            if owner >= 0:
+                self.node_owner[node] = owner
+            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+    def _close_segment(self) -> None:
+        k = self.current
+        if k >= 0:
+            self.fwd_peak[k] = max(self.fwd_peak[k], self.tracker.peak - self.level[k])
+
+    def pre(self, k: int, args: tuple, kwargs: dict) -> None:
+        ins = tensors_of((args, kwargs))
+        if torch.is_grad_enabled():
+            self._claim(ins, self.current)  # the glue before belongs to the last unit
+        self._close_segment()
+        self.current = k
+        self.inside = True
+        self.tracker.owner = k
+        self.tracker.peak = self.tracker.live
+        if not self.level[k]:
+            self.level[k] = self.tracker.live
+        for t in ins:
+            if _key(t) not in self.exclude:
+                self.inputs[k][_key(t)] = _nbytes(t)
+
+    def post(self, k: int, out: Any) -> None:
+        outs = tensors_of(out)
+        if torch.is_grad_enabled():
+            self._claim(outs, k)
+        for t in outs:
+            key = _key(t)
+            if key not in self.exclude and key not in self.inputs[k]:
+                self.outputs[k][key] = _nbytes(t)
+        self.inside = False  # glue from here on, charged to k
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        k = self.current
+        key = _key(t)
+        if k >= 0 and key not in self.exclude:
+            target = self.saved[k] if self.inside else self.glue_saved[k]
+            target[key] = _nbytes(t)
+        return t
+
+    # ---------------------------------------------------------------- backward
+    def node_pre(self, node: Any) -> None:
+        k = self.node_owner.get(node, GLUE)
+        if k < 0 or k == self.tracker.owner:
+            return
+        prev = self.tracker.owner
+        if prev >= 0 and self.bwd_level[prev] >= 0:
+            self.bwd_peak[prev] = max(
+                self.bwd_peak[prev], self.tracker.peak - self.bwd_level[prev]
+            )
+        self.tracker.owner = k
+        self.tracker.peak = self.tracker.live
+        if self.bwd_level[k] < 0:
+            self.bwd_level[k] = self.tracker.live
+
+    def finish_backward(self) -> None:
+        k = self.tracker.owner
+        if k >= 0 and self.bwd_level[k] >= 0:
+            self.bwd_peak[k] = max(
+                self.bwd_peak[k], self.tracker.peak - self.bwd_level[k]
+            )
+
+
+def _run_trace(
+    model: nn.Module,
+    units: Sequence[Block],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable | None,
+    exclude: set[int],
+    head: ChunkedHead | None = None,
+) -> _Trace:
+    tr = _Trace(units, exclude)
+    index = {id(u.module): k for k, u in enumerate(units)}
+    hooks = []
+    for u in units:
+        k = index[id(u.module)]
+
+        def pre(_m: nn.Module, a: tuple, kw: dict, _k: int = k) -> None:
+            tr.pre(_k, a, kw)
+
+        def post(_m: nn.Module, a: tuple, kw: dict, out: Any, _k: int = k) -> None:
+            tr.post(_k, out)
+
+        hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(u.module.register_forward_hook(post, with_kwargs=True))
+    try:
+        with tr.tracker:
+            # without autograd first: the forward peak of a recomputed or streamed unit
+            with torch.no_grad():
+                _loss(model, inputs, targets, loss_fn, head)
+            tr._close_segment()
+            ng = list(tr.fwd_peak)
+            tr.fwd_peak = [0] * tr.n
+            tr.level = [0] * tr.n
+            tr.inputs = [{} for _ in range(tr.n)]
+            tr.outputs = [{} for _ in range(tr.n)]
+            tr.current, tr.inside = GLUE, False
+            tr.tracker.owner = GLUE
+            tr.tracker.flops = [0] * tr.n
+            tr.tracker.peak = tr.tracker.live
+            with torch.autograd.graph.saved_tensors_hooks(tr.pack, lambda t: t):
+                loss = _loss(model, inputs, targets, loss_fn, head)
+            tr._claim([loss], tr.current)
+            tr._close_segment()
+            tr.no_grad_peak = ng
+            tr.fwd_flops = list(tr.tracker.flops)
+            tr.tracker.flops = [0] * tr.n
+            handles = [n.register_prehook(_prehook(tr, n)) for n in tr.node_owner]
+            tr.tracker.owner = GLUE
+            loss.backward()
+            if head is not None:
+                head.clear()
+            tr.finish_backward()
+            for h in handles:
+                h.remove()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    return tr
+
+
+def _loss(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable | None,
+    head: ChunkedHead | None,
+) -> torch.Tensor:
+    if head is not None:
+        loss = head.loss_of(model, inputs)
+        if not torch.is_grad_enabled():
+            head.clear()
+        return loss
+    out = call_model(model, inputs)
+    loss = loss_of(out, targets, loss_fn)
+    del out
+    return loss
+
+
+def _prehook(tr: _Trace, node: Any) -> Callable:
+    def hook(grad_outputs: Any) -> None:
+        tr.node_pre(node)
+
+    return hook
+
+
+def _costs(tr: _Trace, shared: set[int]) -> list[BlockCosts]:
+    out = []
+    for k in range(tr.n):
+        ins = {s: b for s, b in tr.inputs[k].items() if s not in shared}
+        outs = tr.outputs[k]
+        saved = {**tr.saved[k], **tr.glue_saved[k]}
+        saves_input = any(s in saved for s in ins)
+        saves_output = any(s in saved for s in outs)
+        other = sum(
+            b
+            for s, b in saved.items()
+            if s not in ins and s not in outs and s not in shared
+        )
+        out.append(
+            BlockCosts(
+                input_bytes=sum(ins.values()),
+                output_bytes=sum(outs.values()),
+                saved_bytes=other,
+                saves_input=saves_input,
+                saves_output=saves_output,
+                forward_peak_bytes=tr.fwd_peak[k],
+                forward_no_grad_peak_bytes=tr.no_grad_peak[k],
+                backward_peak_bytes=tr.bwd_peak[k],
+                forward_flops=tr.fwd_flops[k],
+                backward_flops=tr.tracker.flops[k],
+            )
+        )
+    return out
+
+
+def profile_units(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: Callable | None = None,
+    *,
+    units: Sequence[Block] | None = None,
+    max_microbatches: int = 16,
+    optimizer: str = "adamw",
+    loss_chunks: int = 1,
+) -> Profile:
+    """The per-unit ``Profile`` of one training step of ``model`` on this batch.
+
+    Args:
+        model: any module (real or already fake); it is not changed.
+        inputs, targets, loss_fn: the batch and loss as ``memory.step`` takes them.
+        units: the units (default: ``find_units(model, inputs)``).
+        max_microbatches: profile micro-batch counts up to this (divisors of the batch).
+        optimizer: ``adamw``.
+        loss_chunks: > 1: the loss computed in the model's head in this many chunks
+            (``memory.head.ChunkedHead``), as a plan with these loss chunks runs it.
+    """
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    if units is None:
+        units = find_units(model, inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with FakeCopyMode(mode):
+        fake = copy.deepcopy(model)
+    fake.train(model.training)
+    by_name = dict(fake.named_modules(remove_duplicate=False))
+    fake_units = [Block(u.name, by_name[u.name]) for u in units]
+    no_kv_cache(fake)  # the copy's own configs: training runs without a KV cache
+    head = None
+    if loss_chunks > 1:
+        head = ChunkedHead.find(fake, loss_chunks)
+        if head is None:
+            raise MemoryPlanError(
+                f"{type(model).__name__} has no linear output layer to chunk its loss"
+            )
+        head.install()
+    batch = batch_size_of(inputs)
+    states = _state(fake_units, optimizer)
+    exclude = {_key(t) for t in (*fake.parameters(), *fake.buffers())}
+    costs_by_m: dict[int, list[BlockCosts]] = {}
+    base_extra = 0
+    glue_of: list[int] = []
+    with mode:
+        fx = map_tensors(inputs, mode.from_tensor)
+        fy = map_tensors(targets, mode.from_tensor)
+        for m in [
+            d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
+        ]:
+            x, y = split_batch(fx, fy, m)[0]
+            batch_keys = {_key(t) for t in tensors_of((x, y))}
+            tr = _run_trace(fake, fake_units, x, y, loss_fn, exclude | batch_keys, head)
+            seen: dict[int, int] = {}
+            shared: set[int] = set()
+            for k in range(tr.n):
+                for s in tr.inputs[k]:
+                    if s in seen and seen[s] != k:
+                        shared.add(s)
+                    seen.setdefault(s, k)
+            costs_by_m[m] = _costs(tr, shared)
+            if m == 1:
+                glue_of = [sum(g.values()) for g in tr.glue_saved]
+                sizes = {s: b for k in range(tr.n) for s, b in tr.inputs[k].items()}
+                base_extra = sum(sizes[s] for s in shared)
+            for p in fake.parameters():
+                p.grad = None
+    rate = measure_flops_per_s()
+    blocks = []
+    for k, st in enumerate(states):
+        by_m = {
+            m: replace(
+                cs[k],
+                forward_s=cs[k].forward_flops / rate,
+                backward_s=cs[k].backward_flops / rate,
+                time_source="flops",
+            )
+            for m, cs in costs_by_m.items()
+        }
+        # glue that saves tensors: the unit's wrappers could not move them
+        options = ("K",) if glue_of[k] > 64 * 1024 else ("K", "R", "O", "S", "D")
+        blocks.append(BlockProfile(costs=by_m, options=options, **st))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    batch_bytes = sum(_nbytes(t) for t in tensors_of((inputs, targets)))
+    return Profile(
+        loss_chunk_setting=loss_chunks,
+        update_by_chunks=True,
+        blocks=tuple(blocks),
+        batch_size=batch,
+        batch_dependent=is_batch_dependent(model),
+        batch_bytes=batch_bytes + base_extra,
+        construction_peak_bytes=params + buffers,
+        optimizer=optimizer,
+        flops_per_s=rate,
+        time_source="flops",
+    )
+
+
+LOSS_CHUNK_OPTIONS = (1, 4, 16)
+"""Loss chunk counts ``plan_units`` tries for a model with a chunkable head."""
+
+
+def unit_profiles(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: Callable | None = None,
+    *,
+    runtime_bytes: int = 0,
+    chunk_options: Sequence[int] = LOSS_CHUNK_OPTIONS,
+    units: Sequence[Block] | None = None,
+) -> dict[int, Profile]:
+    """One profile per loss chunk count the model's head allows (``{1: ...}`` for a
+    model without a chunkable head or with a ``loss_fn``)."""
+    from memory.head import ChunkedHead as _Head
+
+    chunkable = (
+        loss_fn is None
+        and isinstance(inputs, dict)
+        and "labels" in inputs
+        and _Head.find(model, 2) is not None
+    )
+    options = [c for c in chunk_options if c == 1 or chunkable] or [1]
+    units = units if units is not None else find_units(model, inputs)
+    return {
+        c: replace(
+            profile_units(model, inputs, targets, loss_fn, units=units, loss_chunks=c),
+            runtime_bytes=runtime_bytes,
+        )
+        for c in options
+    }
+
+
+def plan_units(
+    profiles: dict[int, Profile],
+    budget_bytes: int | None = None,
+    **plan_kwargs: Any,
+) -> tuple[Any, Profile]:
+    """The fastest plan within ``budget_bytes`` (None: the smallest plan) over the
+    ``unit_profiles`` (one per loss chunk count), and the profile it came from.
+
+    ``plan_kwargs`` go to ``memory.plan.plan_memory`` (disk budget, offload
+    directory, micro-batching).
+
+    Raises:
+        BudgetError: no plan fits; the error of the setting that comes closest.
+    """
+    from memory.errors import BudgetError
+    from memory.plan import plan_memory
+
+    best = None
+    errors: list[BudgetError] = []
+    for prof in profiles.values():
+        try:
+            plan = plan_memory(
+                prof, budget_bytes, batch_size=prof.batch_size, **plan_kwargs
+            )
+        except BudgetError as e:
+            errors.append(e)
+            continue
+        key = (
+            plan.predicted_peak_bytes if budget_bytes is None else plan.predicted_step_s
+        )
+        if best is None or key < best[0]:
+            best = (key, plan, prof)
+    if best is None:
+        raise min(errors, key=lambda e: e.min_budget_bytes or 0)
+    return best[1], best[2]
