@@ -55,6 +55,8 @@ class ServerConfig:
     #   training step does not fit its budget takes no part
     eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
     #   the server's central evaluation (onnxruntime: the exported model, in process)
+    eval_windows: int = 256  # [eval-windows] language models: held-out windows
+    #   (of seq-len tokens) the central evaluation runs on each round
     eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
     #   for any training evaluate the round's model (ONNX) on their data in a
     #   torch-free process, or (off) only reply that nothing fits
@@ -123,6 +125,8 @@ class ServerConfig:
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
         if self.eval_runtime not in ("torch", "onnxruntime"):
             raise bad("eval-runtime", self.eval_runtime, "torch or onnxruntime")
+        if self.eval_windows < 1:
+            raise bad("eval-windows", self.eval_windows, "must be at least 1")
         if self.eval_only not in ("onnxruntime", "off"):
             raise bad("eval-only", self.eval_only, "onnxruntime or off")
         if self.export_onnx not in ("end", "every-round", "off"):

@@ -48,6 +48,7 @@ class Federation:
             cfg.workload,
             batch_size=cfg.batch_size or None,
             seq_len=cfg.seq_len or None,
+            eval_windows=cfg.eval_windows,
         )
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)

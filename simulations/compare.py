@@ -156,6 +156,7 @@ def settings_for(
         classes=fleet.partition_class if fleet.split == "natural" else (),
         strategy="fleetfit" if strategy == "fleetfit" else "exclude",
         eval_only="onnxruntime" if strategy == "fleetfit" else "off",
+        eval_windows=fleet.eval_windows,
         export_onnx="off",
         **engine,
     )
@@ -371,7 +372,7 @@ def class_eval(
             mine = [g for g, o in owner.items() if o == k]
             idx = np.flatnonzero(np.isin(test.groups, mine))
             if wl.kind == "lm":
-                idx = idx[:CLASS_EVAL_WINDOWS]
+                idx = idx[: min(CLASS_EVAL_WINDOWS, fleet.eval_windows)]
             if len(idx):
                 out[c.name] = trained.evaluate(model, test.subset(idx))[metric]
     else:

@@ -57,6 +57,8 @@ class SimulationSettings:
     #   follows them [fleet-classes]
     strategy: str = "fleetfit"  # fleetfit | exclude [strategy]
     eval_only: str = "onnxruntime"  # [eval-only]
+    eval_windows: int = 256  # [eval-windows] language models: held-out windows of
+    #   the central evaluation
     export_onnx: str = "end"  # [export-onnx]
     progress: bool = False  # a progress bar on stderr, one step per round
     ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
@@ -84,6 +86,7 @@ class SimulationSettings:
             fleet_classes=",".join(str(int(c)) for c in self.classes),
             strategy=self.strategy,
             eval_only=self.eval_only,
+            eval_windows=self.eval_windows,
             export_onnx=self.export_onnx,
         )
         cfg.validate()

@@ -80,6 +80,9 @@ class Workload:
     """A ``module:function`` workload beyond ``(model, (tensor, tensor), loss_fn)``:
     tuple, list or dict inputs, no targets, or the model's own loss: planned and
     trained per unit (``memory.units``); ``require_tensors`` refuses it elsewhere."""
+    eval_windows: int = EVAL_MAX_ITEMS
+    """Language models: how many held-out windows ``evaluate`` runs on (the first
+    ones); ``with_eval_windows`` sets it."""
     data_fn: Callable[[int, int], Any] | None = field(default=None, repr=False)
     """A custom workload's ``load_data(partition_id, num_partitions)`` (None: every
     node trains the example batch)."""
@@ -166,6 +169,15 @@ class Workload:
         if self.data_fn is None:
             return [(self.example[0], self.example[1])]
         return self.node_data(partition_id, num_partitions).eval_batches()
+
+    def with_eval_windows(self, windows: int) -> Workload:
+        """A copy whose language-model evaluation runs on the first ``windows``
+        held-out windows (validated; other kinds evaluate on all their items)."""
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+            raise WorkloadError(
+                f"eval windows must be a positive integer, got {windows!r}"
+            )
+        return replace(self, eval_windows=windows)
 
     def with_shape(
         self, batch_size: int | None = None, seq_len: int | None = None
@@ -343,7 +355,7 @@ class Workload:
         """What ``evaluate`` runs on, as numpy arrays ``(inputs, targets)``.
 
         Images: ``(N, ...)`` float32 and their classes; language models: the first
-        ``EVAL_MAX_ITEMS`` windows of ``seq_len`` token ids (int64) and the next tokens.
+        ``eval_windows`` windows of ``seq_len`` token ids (int64) and the next tokens.
         For runtimes without torch (``onnxrun``).
         """
         self.require_tensors()
@@ -362,7 +374,7 @@ class Workload:
             return
         if self.kind == "lm":
             assert self.seq_len is not None
-            w = items.inputs[:EVAL_MAX_ITEMS, : self.seq_len + 1].long()
+            w = items.inputs[: self.eval_windows, : self.seq_len + 1].long()
             for s in range(0, len(w), size):
                 yield w[s : s + size, :-1], w[s : s + size, 1:]
             return
@@ -483,13 +495,19 @@ BUILTIN_WORKLOADS: dict[str, Workload] = {
 
 
 def get_workload(
-    name: str, *, batch_size: int | None = None, seq_len: int | None = None
+    name: str,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    eval_windows: int | None = None,
 ) -> Workload:
     """A built-in workload by name, or a user's ``module:function``.
 
     ``NAME@SCALE`` is the built-in ``NAME`` on a model shrunk by ``SCALE`` in (0, 1]
     (width times ``SCALE``; for GPTs also depth, at least one layer): the same data,
     loss and batch shape (the ``smallest-model`` strategy of fleet simulations).
+    ``eval_windows``: a language model's central evaluation runs on that many held-out
+    windows (default ``EVAL_MAX_ITEMS``).
 
     Raises:
         WorkloadError: unknown name, malformed spec, a module or function that cannot be
@@ -510,6 +528,8 @@ def get_workload(
             "(NAME@SCALE for a shrunk one, e.g. gpt-byte@0.5) or give your own as "
             "module:function"
         )
+    if eval_windows is not None:
+        wl = wl.with_eval_windows(eval_windows)
     if batch_size is None and seq_len is None:
         return wl
     return wl.with_shape(batch_size, seq_len)

@@ -18,6 +18,7 @@ def test_defaults_and_roundtrip():
         ("split", "zipf", "split='zipf'"),
         ("fraction-train", 1.5, "fraction-train=1.5"),
         ("min-nodes", 0, "min-nodes=0"),
+        ("eval-windows", 0, "eval-windows=0"),
         ("num-server-rounds", "3", "must be a int"),
         ("bogus", 1, "unknown run-config key"),
     ],

@@ -120,6 +120,8 @@ def test_choices_draw_only_listed_sizes():
             ["unknown field classes[0].ram"],
         ),
         ({"clients": 0}, ["clients = 0"]),
+        ({"eval_windows": 0}, ["eval_windows = 0", ">= 1"]),
+        ({"eval_windows": "many"}, ["eval_windows = 'many'"]),
         ({"fraction": 1.5}, ["fraction = 1.5"]),
         ({"split": {"kind": "random"}}, ["split.kind = 'random'"]),
         ({"workload": {"name": "digits-cnn", "lr": -1}}, ["workload.lr = -1"]),

@@ -84,3 +84,27 @@ def test_shape_overrides_validated():
         get_workload("digits-cnn", batch_size=0)
     with pytest.raises(WorkloadError, match="language models only"):
         get_workload("digits-cnn", seq_len=8)
+
+
+def test_eval_windows_bound_a_language_models_central_evaluation():
+    """``eval_windows``: the first N held-out windows, as many tokens as that, and
+    the same figures as the default evaluation restricted to those windows."""
+    import torch
+
+    wl = get_workload("gpt-tiny", seq_len=16, eval_windows=3)
+    assert wl.eval_windows == 3
+    x, y = wl.eval_arrays()
+    assert x.shape == (3, 16) and y.shape == (3, 16)
+    full_x, _ = get_workload("gpt-tiny", seq_len=16).eval_arrays()
+    assert len(full_x) > 3 and (full_x[:3] == x).all()
+    model = wl.make_model(0)
+    got = wl.evaluate(model)
+    with torch.no_grad():
+        out = model(torch.as_tensor(x))
+        want = torch.nn.functional.cross_entropy(
+            out.reshape(-1, out.shape[-1]), torch.as_tensor(y).reshape(-1)
+        )
+    assert got["loss"] == pytest.approx(float(want), rel=1e-5)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(WorkloadError, match="eval windows"):
+            get_workload("gpt-tiny", eval_windows=bad)
