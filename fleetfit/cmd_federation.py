@@ -227,6 +227,34 @@ def superlink_database(path: str | None, work: Path) -> Path:
     return db
 
 
+def check_run_config(run_config: str) -> None:
+    """The server app's run config checked here, before any process starts: keys and
+    values (``ServerConfig``) and the workload with its shape (a name that is no
+    workload, a ``module:function`` that does not load). ``ValueError`` with one line
+    naming the value; the ServerApp would otherwise fail only after the SuperLink and
+    the run have started."""
+    from flwr.common.config import parse_config_args
+
+    from server.config import ServerConfig
+    from workloads import get_workload
+
+    try:
+        parsed = parse_config_args([run_config])
+    except Exception as e:  # flwr raises click's exception, whatever the fault
+        raise ValueError(
+            f"run config {run_config!r} is not space-separated key=value pairs with "
+            f"TOML values ({getattr(e, 'message', e)}); fix --run-config, e.g. "
+            '--run-config "lr=0.01 min-replies=2"'
+        ) from None
+    cfg = ServerConfig.from_run_config(parsed)
+    get_workload(
+        cfg.workload,
+        batch_size=cfg.batch_size or None,
+        seq_len=cfg.seq_len or None,
+        eval_windows=cfg.eval_windows,
+    )
+
+
 def run_server(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     tls = _check_tls(
@@ -247,6 +275,14 @@ def run_server(args: argparse.Namespace) -> int:
             "source checkout"
         )
     out = Path(args.out).resolve()
+    run_config = (
+        f"num-server-rounds={args.rounds} workload={_toml_str(args.workload)} "
+        f"min-nodes={args.min_nodes} out={_toml_str(str(out))} "
+        f"local-steps={args.local_steps} round-timeout={float(args.round_timeout)} "
+        f"node-wait={float(args.node_wait)} seed={args.seed} "
+        f"resume={'true' if args.resume else 'false'} {args.run_config}"
+    ).strip()
+    check_run_config(run_config)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
     link_home, cli_home = work / "link", work / "cli"
@@ -286,13 +322,6 @@ def run_server(args: argparse.Namespace) -> int:
         + "\n".join(conn)
         + "\n"
     )
-    run_config = (
-        f"num-server-rounds={args.rounds} workload={_toml_str(args.workload)} "
-        f"min-nodes={args.min_nodes} out={_toml_str(str(out))} "
-        f"local-steps={args.local_steps} round-timeout={float(args.round_timeout)} "
-        f"node-wait={float(args.node_wait)} seed={args.seed} "
-        f"resume={'true' if args.resume else 'false'} {args.run_config}"
-    ).strip()
     superlink = _start(cmd, _env(link_home), out / "superlink.log")
     print(f"fleetfit server: SuperLink on {args.host}:{args.port}", file=sys.stderr)
     try:
