@@ -236,7 +236,6 @@ def check_run_config(run_config: str) -> None:
     from flwr.common.config import parse_config_args
 
     from server.config import ServerConfig
-    from workloads import get_workload
 
     try:
         parsed = parse_config_args([run_config])
@@ -246,13 +245,7 @@ def check_run_config(run_config: str) -> None:
             f"TOML values ({getattr(e, 'message', e)}); fix --run-config, e.g. "
             '--run-config "lr=0.01 min-replies=2"'
         ) from None
-    cfg = ServerConfig.from_run_config(parsed)
-    get_workload(
-        cfg.workload,
-        batch_size=cfg.batch_size or None,
-        seq_len=cfg.seq_len or None,
-        eval_windows=cfg.eval_windows,
-    )
+    ServerConfig.from_run_config(parsed).load_workload()
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
+from workloads.registry import EVAL_MAX_ITEMS, Workload, get_workload
 from workloads.splits import SPLITS
 
 STRATEGIES = ("fleetfit", "exclude")
@@ -55,8 +56,8 @@ class ServerConfig:
     #   training step does not fit its budget takes no part
     eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
     #   the server's central evaluation (onnxruntime: the exported model, in process)
-    eval_windows: int = 256  # [eval-windows] language models: held-out windows
-    #   (of seq-len tokens) the central evaluation runs on each round
+    eval_windows: int = EVAL_MAX_ITEMS  # [eval-windows] language models: held-out
+    #   windows (of seq-len tokens) the central evaluation runs on each round
     eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
     #   for any training evaluate the round's model (ONNX) on their data in a
     #   torch-free process, or (off) only reply that nothing fits
@@ -211,6 +212,16 @@ class ServerConfig:
             x for x in (s.strip() for s in self.fleet_availability.split(",")) if x
         ]
         return float(items[partition_id % len(items)]) if items else 1.0
+
+    def load_workload(self) -> Workload:
+        """The run's workload with its batch, sequence and evaluation settings
+        (``WorkloadError``, a ``ValueError``, naming what is wrong)."""
+        return get_workload(
+            self.workload,
+            batch_size=self.batch_size or None,
+            seq_len=self.seq_len or None,
+            eval_windows=self.eval_windows,
+        )
 
     @property
     def reserve_bytes(self) -> int:

@@ -21,7 +21,6 @@ from server.aggregate import Update, accept_updates, weighted_average
 from server.assign import Assigner, Assignment
 from server.config import ServerConfig
 from server.onnx_rounds import OnnxRounds
-from workloads import get_workload
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +43,7 @@ class Federation:
     def __init__(self, cfg: ServerConfig, transport: Transport) -> None:
         self.cfg = cfg
         self.transport = transport
-        self.workload = get_workload(
-            cfg.workload,
-            batch_size=cfg.batch_size or None,
-            seq_len=cfg.seq_len or None,
-            eval_windows=cfg.eval_windows,
-        )
+        self.workload = cfg.load_workload()
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)

@@ -45,6 +45,7 @@ import numpy as np
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
+from workloads.registry import EVAL_MAX_ITEMS
 from workloads.splits import SPLITS
 
 FLEETS_DIR = Path(__file__).parent / "fleets"
@@ -106,7 +107,7 @@ class Fleet:
     workload: str = "digits-cnn"
     batch_size: int = 0  # 0: the workload's default
     seq_len: int = 0
-    eval_windows: int = 256  # language models: held-out windows evaluated per round
+    eval_windows: int = EVAL_MAX_ITEMS  # language models: held-out windows per round
     lr: float = 0.003
     split: str = "natural"
     alpha: float = 0.5
@@ -203,7 +204,9 @@ def parse_fleet(data: dict[str, Any], file: str = "") -> Fleet:
     rounds = _int(data.get("rounds", 5), "rounds", 1, fail)
     local_steps = _int(data.get("local_steps", 5), "local_steps", 1, fail)
     seed = _int(data.get("seed", 0), "seed", 0, fail)
-    eval_windows = _int(data.get("eval_windows", 256), "eval_windows", 1, fail)
+    eval_windows = _int(
+        data.get("eval_windows", EVAL_MAX_ITEMS), "eval_windows", 1, fail
+    )
     fraction = _float(data.get("fraction", 1.0), "fraction", fail)
     if not 0 < fraction <= 1:
         raise fail(f"fraction = {fraction!r} must be in (0, 1]")

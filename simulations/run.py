@@ -20,7 +20,7 @@ from typing import Any
 
 from server.config import ServerConfig
 from simulations.progress import RoundProgress
-from workloads import get_workload
+from workloads.registry import EVAL_MAX_ITEMS
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class SimulationSettings:
     #   follows them [fleet-classes]
     strategy: str = "fleetfit"  # fleetfit | exclude [strategy]
     eval_only: str = "onnxruntime"  # [eval-only]
-    eval_windows: int = 256  # [eval-windows] language models: held-out windows of
-    #   the central evaluation
+    eval_windows: int = EVAL_MAX_ITEMS  # [eval-windows] language models: held-out
+    #   windows of the central evaluation
     export_onnx: str = "end"  # [export-onnx]
     progress: bool = False  # a progress bar on stderr, one step per round
     ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
@@ -111,11 +111,7 @@ class SimulationSettings:
                     self.num_clients,
                     self.num_clients,
                 )
-        wl = get_workload(
-            self.workload,
-            batch_size=self.batch_size or None,
-            seq_len=self.seq_len or None,
-        )
+        wl = cfg.load_workload()
         # The data must divide across the clients (raises a WorkloadError naming both).
         if self.classes and len(self.classes) != self.num_clients:
             raise ValueError(
