@@ -23,16 +23,22 @@ losses gives the whole batch's mean) and otherwise the number of labels that are
 How it runs, with ``R = ceil(N / chunks)`` rows and ``C = ceil(V / vocab_chunks)``
 vocabulary entries per block:
 
-- forward: for each row chunk, for each vocabulary block, the logits block
+- forward: for each vocabulary block, for each row chunk, the logits block
   ``h[rows] @ w[cols].T + b[cols]`` (R x C), the target logit if the target falls in the
-  block, and an online logsumexp (running max and running sum of exponentials: R floats
-  each). The block is exponentiated in place. Saved for backward: ``hidden``, ``weight``,
-  ``bias``, ``labels`` (the inputs: no new memory) and the per-row logsumexp (N floats).
+  block, and an online logsumexp (running max and running sum of exponentials: N floats
+  each, updated a row chunk at a time). The block is exponentiated in place. Saved for
+  backward: ``hidden``, ``weight``, ``bias``, ``labels`` (the inputs: no new memory) and
+  the per-row logsumexp (N floats).
 - backward: for each block again, recompute the logits, turn them in place into
   ``softmax - onehot(target)`` (``exp(logit - lse)``, minus one at the target), scaled by
   ``grad_output / count`` and zeroed on ignored rows, then
   ``grad_hidden[rows] += g @ w[cols]``, ``grad_weight[cols] += g.T @ h[rows]`` and
   ``grad_bias[cols] += g.sum(0)``, all in place into the gradients.
+- the vocabulary blocks are the outer loop, so each row meets them in order (the
+  results do not depend on which loop is outside) and a weight streamed from disk
+  (``weight_rows``, see ``WeightRows``) is read one block at a time, once per pass; its
+  gradient is then handed over a block at a time (``C x d``) instead of being returned
+  whole (``V x d``).
 
 Memory, in bytes, with ``b`` the bytes of the input dtype and ``a`` those of the
 accumulation dtype (float32 for float16/bfloat16 inputs, the input dtype otherwise):
@@ -41,8 +47,9 @@ accumulation dtype (float32 for float16/bfloat16 inputs, the input dtype otherwi
   ``R * C * (b + 4)`` for float16/bfloat16, where the matmul's low-precision block and
   its float32 copy briefly coexist (forward: the cast; backward: the cast back for the
   gradient matmuls).
-- forward peak above its inputs: ``N * a`` (the saved logsumexp) ``+ B`` ``+ ~R * 64``
-  (per-row temporaries: masks, local targets, running max and sum). The unchunked
+- forward peak above its inputs: ``3 * N * a + N`` (running max and sum, the target
+  logits, the mask of labels that count; the sum becomes the saved logsumexp)
+  ``+ B`` ``+ ~R * 64`` (per-row temporaries of a block: masks, local targets). The unchunked
   ``F.cross_entropy(F.linear(h, w, b), y)`` keeps ``N * V * b`` logits plus an
   ``N * V * b`` log-softmax saved for backward.
 - backward peak above the level before it: the gradients it must produce
@@ -74,13 +81,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ChunkedLinearCrossEntropy",
+    "WeightRows",
     "HeadChunkBytes",
     "causal_lm_targets",
     "chunked_linear_cross_entropy",
@@ -91,6 +99,26 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Per-row temporaries of one block (bool masks, int64 local targets, the running max,
 # sum and target logit, their updates); an upper estimate, small next to the block.
 ROW_TEMP_BYTES = 64
+
+
+@runtime_checkable
+class WeightRows(Protocol):
+    """Where a streamed head's weight is read and its gradient written, a block of
+    vocabulary rows at a time (``memory.streaming``: straight from and to the
+    store's files), so neither the whole weight nor its whole gradient is ever in
+    memory.
+
+    ``rows(start, stop)`` gives rows ``[start, stop)`` of the weight (a view the
+    caller drops after use); ``add_grad(start, stop, grad)`` takes the gradient of
+    those rows from one backward (every row exactly once per backward, in order);
+    ``done()`` follows the last block.
+    """
+
+    def rows(self, start: int, stop: int) -> torch.Tensor: ...
+
+    def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None: ...
+
+    def done(self) -> None: ...
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -133,36 +161,42 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         vocab_chunks: int,
         ignore_index: int,
         reduction_count: int | None,
+        rows: WeightRows | None = None,
     ) -> torch.Tensor:
         n = hidden.shape[0]
         v = weight.shape[0]
         acc = _acc_dtype(hidden.dtype)
         dev = hidden.device
         with torch.autocast(device_type=dev.type, enabled=False):
-            lse = torch.empty(n, dtype=acc, device=dev)
-            total = torch.zeros((), dtype=acc, device=dev)
-            for s, e in _bounds(n, chunks):
-                h, y = hidden[s:e], labels[s:e]
-                valid = y != ignore_index
-                run_max = torch.full((e - s,), -math.inf, dtype=acc, device=dev)
-                run_sum = torch.zeros(e - s, dtype=acc, device=dev)
-                target = torch.zeros(e - s, dtype=acc, device=dev)
-                for v0, v1 in _bounds(v, vocab_chunks):
-                    b = None if bias is None else bias[v0:v1]
-                    logits = _block(h, weight[v0:v1], b, acc)
-                    inside = valid & (y >= v0) & (y < v1)
+            valid = labels != ignore_index
+            run_max = torch.full((n,), -math.inf, dtype=acc, device=dev)
+            run_sum = torch.zeros(n, dtype=acc, device=dev)
+            target = torch.zeros(n, dtype=acc, device=dev)
+            # vocabulary blocks outside, rows inside: a streamed weight is read once
+            # per pass, a block at a time; every row still meets the blocks in order
+            for v0, v1 in _bounds(v, vocab_chunks):
+                w = weight[v0:v1] if rows is None else rows.rows(v0, v1)
+                b = None if bias is None else bias[v0:v1]
+                for s, e in _bounds(n, chunks):
+                    y = labels[s:e]
+                    logits = _block(hidden[s:e], w, b, acc)
+                    inside = valid[s:e] & (y >= v0) & (y < v1)
                     local = torch.where(inside, y - v0, 0).unsqueeze(1)
                     picked = logits.gather(1, local).squeeze(1)
-                    target = torch.where(inside, picked, target)
-                    new_max = torch.maximum(run_max, logits.amax(1))
-                    rescale = torch.exp(run_max - new_max)
+                    target[s:e] = torch.where(inside, picked, target[s:e])
+                    new_max = torch.maximum(run_max[s:e], logits.amax(1))
+                    rescale = torch.exp(run_max[s:e] - new_max)
                     block_sum = logits.sub_(new_max.unsqueeze(1)).exp_().sum(1)
                     del logits
-                    run_sum = run_sum * rescale + block_sum
-                    run_max = new_max
-                row_lse = run_sum.log_().add_(run_max)
-                lse[s:e] = row_lse
-                total += torch.where(valid, row_lse - target, 0).sum()
+                    run_sum[s:e] = run_sum[s:e] * rescale + block_sum
+                    run_max[s:e] = new_max
+                del w
+            lse = run_sum.log_().add_(run_max)
+            del run_max
+            total = torch.zeros((), dtype=acc, device=dev)
+            for s, e in _bounds(n, chunks):
+                total += torch.where(valid[s:e], lse[s:e] - target[s:e], 0).sum()
+            del target, valid
             count: torch.Tensor | int
             if reduction_count is None:
                 count = (labels != ignore_index).sum()
@@ -174,6 +208,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.chunks = chunks
         ctx.vocab_chunks = vocab_chunks
         ctx.ignore_index = ignore_index
+        ctx.rows = rows
         return loss
 
     @staticmethod
@@ -183,7 +218,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        rest = (None,) * 5
+        rows: WeightRows | None = ctx.rows
+        rest = (None,) * 6
         if not (need_h or need_w or need_b):
             return (None, None, None, *rest)
         n = hidden.shape[0]
@@ -193,18 +229,22 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             scale = grad_output.to(acc) / ctx.count
             gh = torch.zeros_like(hidden) if need_h else None
-            gw = torch.zeros_like(weight) if need_w else None
+            gw = torch.zeros_like(weight) if need_w and rows is None else None
             gb = torch.zeros_like(bias) if need_b else None
-            for s, e in _bounds(n, ctx.chunks):
-                h, y = hidden[s:e], labels[s:e]
-                valid = y != ii
-                factor = torch.where(valid, scale, 0).unsqueeze(1)
-                row_lse = lse[s:e].unsqueeze(1)
-                for v0, v1 in _bounds(v, ctx.vocab_chunks):
-                    w = weight[v0:v1]
-                    g = _block(h, w, None if bias is None else bias[v0:v1], acc)
-                    g.sub_(row_lse).exp_().mul_(factor)
-                    inside = valid & (y >= v0) & (y < v1)
+            valid = labels != ii
+            factor_all = torch.where(valid, scale, 0)
+            for v0, v1 in _bounds(v, ctx.vocab_chunks):
+                w = weight[v0:v1] if rows is None else rows.rows(v0, v1)
+                b = None if bias is None else bias[v0:v1]
+                gw_rows = None
+                if need_w:
+                    gw_rows = gw[v0:v1] if gw is not None else torch.zeros_like(w)
+                for s, e in _bounds(n, ctx.chunks):
+                    h, y = hidden[s:e], labels[s:e]
+                    factor = factor_all[s:e].unsqueeze(1)
+                    g = _block(h, w, b, acc)
+                    g.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(factor)
+                    inside = valid[s:e] & (y >= v0) & (y < v1)
                     local = torch.where(inside, y - v0, 0).unsqueeze(1)
                     g.scatter_add_(
                         1, local, torch.where(inside.unsqueeze(1), -factor, 0)
@@ -214,9 +254,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     g = g.to(hidden.dtype)
                     if gh is not None:
                         gh[s:e].addmm_(g, w)
-                    if gw is not None:
-                        gw[v0:v1].addmm_(g.t(), h)
+                    if gw_rows is not None:
+                        gw_rows.addmm_(g.t(), h)
                     del g
+                if rows is not None and gw_rows is not None:
+                    rows.add_grad(v0, v1, gw_rows)
+                del w, gw_rows
+            if rows is not None and need_w:
+                rows.done()
         return (gh, gw, gb, *rest)
 
 
@@ -240,6 +285,7 @@ def chunked_linear_cross_entropy(
     vocab_chunks: int = 1,
     ignore_index: int = -100,
     reduction_count: int | None = None,
+    weight_rows: WeightRows | None = None,
 ) -> torch.Tensor:
     """The cross entropy of ``hidden @ weight.T + bias`` with ``labels``, chunked.
 
@@ -259,6 +305,9 @@ def chunked_linear_cross_entropy(
         ignore_index: labels with this value contribute no loss and no gradient.
         reduction_count: the number of items the mean is over (e.g. the tokens of all
             micro-batches of a step); default: the number of non-ignored labels.
+        weight_rows: read the weight's rows from here, a vocabulary block at a time,
+            and hand the weight's gradient to it instead of returning one (see
+            ``WeightRows``); ``weight`` then only gives the shape and dtype.
 
     Returns:
         A scalar: the input dtype, float32 for float16/bfloat16 inputs.
@@ -331,6 +380,11 @@ def chunked_linear_cross_entropy(
         raise ValueError(
             f"reduction_count must be None or an int >= 1, got {reduction_count!r}"
         )
+    if weight_rows is not None and not isinstance(weight_rows, WeightRows):
+        raise ValueError(
+            f"weight_rows must provide rows, add_grad and done, got "
+            f"{type(weight_rows).__name__}"
+        )
     flat_labels = labels.reshape(n)
     if n and not _is_fake(flat_labels):  # profiling traces have no values to check
         bad = (flat_labels != ignore_index) & (
@@ -351,6 +405,7 @@ def chunked_linear_cross_entropy(
         vocab_chunks,
         ignore_index,
         reduction_count,
+        weight_rows,
     )
     return out  # type: ignore[no-any-return]
 
@@ -387,8 +442,9 @@ class HeadChunkBytes:
     """Peak extra bytes of a chunked loss head (see the module docstring).
 
     Attributes:
-        forward_bytes: peak live bytes during the forward above its inputs: the saved
-            logsumexp (N floats), one logits block and per-row temporaries.
+        forward_bytes: peak live bytes during the forward above its inputs: three
+            floats and a mask per row (running max, sum, target logit), one logits
+            block and per-row temporaries.
         backward_workspace_bytes: peak transient bytes during the backward beyond the
             gradients: one block, the bias-gradient row sum, per-row temporaries.
         grad_bytes: the gradients the backward produces (0 unless ``hidden_size``
@@ -449,7 +505,7 @@ def head_chunk_bytes(
     per_elem = dtype_bytes + 4 if dtype_bytes == 2 else acc
     block = rows * cols * per_elem
     row_temps = rows * ROW_TEMP_BYTES if num_rows else 0
-    forward = num_rows * acc + block + row_temps
+    forward = num_rows * (3 * acc + 1) + block + row_temps
     backward = block + (cols * acc if bias else 0) + row_temps if num_rows else 0
     grads = 0
     if hidden_size:

@@ -8,7 +8,10 @@ from them), the head's ``forward`` computes ``memory.chunked_loss``'s loss from 
 input and its weight, in chunks, and hands the model an expanded zero tensor of the
 logits' shape (no storage) instead of the logits. The loss is taken from the head after
 the forward. Everything else of the model's forward runs unchanged; the head remains a
-unit the plan can recompute or stream (a tied weight streams with its owner).
+unit the plan can recompute or stream (a tied weight streams with its owner). The
+loss runs over vocabulary blocks of at most ``HEAD_BLOCK_BYTES`` of weight; when the
+head is streamed, its weight (its own, or a tied one it borrows) is read from the
+store and its gradient written there a block at a time (``weight_rows``), never whole.
 
 The loss is the model's own: mean over the labels that count, shifted by one token for
 a causal LM (``causal_lm_targets``), with ``-100`` ignored.
@@ -21,17 +24,42 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from memory.batch import is_causal_lm
-from memory.chunked_loss import causal_lm_targets, chunked_linear_cross_entropy
+from memory.chunked_loss import (
+    WeightRows,
+    causal_lm_targets,
+    chunked_linear_cross_entropy,
+)
 from memory.errors import MemoryPlanError
 from memory.units import call_model
 
 IGNORE_INDEX = -100
+
+HEAD_BLOCK_BYTES = 8 * 2**20
+"""Most bytes of the head's weight in one vocabulary block. A weight streamed from
+disk is read a block at a time and its gradient written a block at a time, so one
+block of weight and one of gradient are what a streamed head holds of them; a
+resident head uses the same blocks, so both compute alike, bit for bit."""
+
+
+def vocab_blocks(weight: torch.Tensor) -> int:
+    """The vocabulary blocks of a head with this weight (``HEAD_BLOCK_BYTES`` each
+    at most)."""
+    nbytes = weight.numel() * weight.element_size()
+    return max(1, min(weight.shape[0], math.ceil(nbytes / HEAD_BLOCK_BYTES)))
+
+
+def vocab_block_bytes(weight: torch.Tensor) -> int:
+    """Bytes of the largest vocabulary block of ``weight``."""
+    rows = math.ceil(weight.shape[0] / vocab_blocks(weight))
+    return rows * (weight.numel() // max(weight.shape[0], 1)) * weight.element_size()
 
 
 class ChunkedHead:
@@ -58,6 +86,10 @@ class ChunkedHead:
         self.head = head
         self.chunks = chunks
         self.causal = causal
+        self.vocab_chunks = vocab_blocks(head.weight)
+        self.weight_rows: Callable[[torch.Tensor], WeightRows | None] | None = None
+        """Where a streamed weight's rows come from (``memory.streaming``); None:
+        the weight is in memory."""
         self._targets: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
         self._installed = False
@@ -91,12 +123,15 @@ class ChunkedHead:
             targets = self._targets
             if targets is None:  # not a training call: the real logits
                 return inner(hidden)
+            rows = None if self.weight_rows is None else self.weight_rows(head.weight)
             loss = chunked_linear_cross_entropy(
                 hidden,
                 head.weight,
                 head.bias,
                 targets,
                 chunks=min(self.chunks, max(1, targets.numel())),
+                vocab_chunks=self.vocab_chunks,
+                weight_rows=rows,
             )
             if torch._C._current_graph_task_id() == -1:  # not a rerun in backward
                 self._loss = loss if self._loss is None else self._loss + loss

@@ -181,6 +181,9 @@ class PlannedTrainer:
             defer=self._defer,
             values=values,
         )
+        if self.head is not None and self.applied.streamer is not None:
+            # a streamed head reads its weight and writes its gradient by blocks
+            self.head.weight_rows = self.applied.streamer.weight_rows
         streamed = self.applied.streamer.stream_ids if self.applied.streamer else set()
         self.optimizer = make_optimizer(model, self.settings, exclude=streamed)
         # the run-time guard: each unit's forward (and rerun) checks the resident set

@@ -295,8 +295,14 @@ class BlockStore:
         if not grads:
             return
         assert b.grads is not None, f"block {key} was stored without gradients"
-        for i in sorted(grads):
-            g = grads[i].detach().to("cpu").reshape(-1)
+        dense = {}
+        for i, g in grads.items():
+            if g.layout == torch.sparse_coo:
+                self.accumulate_sparse(key, i, g)
+            else:
+                dense[i] = g
+        for i in sorted(dense):
+            g = dense[i].detach().to("cpu").reshape(-1)
             s = b.slots[i]
             esize = g.element_size()
             per = max(self.chunk_bytes // esize, 1)
@@ -310,6 +316,88 @@ class BlockStore:
                     v.copy_(g[a:z])
                 del v
             b.has_grad[i] = True
+        self._sync(b, b.grads, b.section_bytes)
+
+    # ------------------------------------------------------------- by rows
+    def _rows(
+        self, b: _BlockFile, section: int, index: int, start: int, stop: int
+    ) -> torch.Tensor:
+        s = b.slots[index]
+        row = s.nbytes // max(s.shape[0], 1) if s.shape else s.nbytes
+        raw = self._map(
+            b, section + s.offset + start * row, max((stop - start) * row, 1)
+        )
+        return (
+            raw[: (stop - start) * row].view(s.dtype).view(stop - start, *s.shape[1:])
+        )
+
+    def load_rows(self, key: int, index: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of parameter ``index`` (its first dimension), mapped
+        on their own: only these rows' pages are touched and they leave memory with
+        the view."""
+        return self._rows(
+            self._blocks[key], self._blocks[key].params, index, start, stop
+        )
+
+    def accumulate_rows(
+        self,
+        key: int,
+        index: int,
+        start: int,
+        stop: int,
+        grad: torch.Tensor,
+        *,
+        first: bool,
+    ) -> None:
+        """Rows ``[start, stop)`` of parameter ``index``'s gradient into the
+        accumulator, mapped on their own: copied when ``first`` (the accumulator held
+        nothing for this parameter when this backward began), added otherwise. Call
+        ``rows_done`` after the last rows of a backward."""
+        b = self._blocks[key]
+        assert b.grads is not None, f"block {key} was stored without gradients"
+        v = self._rows(b, b.grads, index, start, stop)
+        g = grad.detach().to("cpu")
+        if first:
+            v.copy_(g)
+        else:
+            v.add_(g)
+        del v
+
+    def rows_done(self, key: int, index: int) -> None:
+        """Every row of parameter ``index``'s gradient was written (``accumulate_rows``):
+        the accumulator holds it; its dirty pages go to disk."""
+        b = self._blocks[key]
+        b.has_grad[index] = True
+        assert b.grads is not None
+        self._sync(b, b.grads, b.section_bytes)
+
+    def accumulate_sparse(self, key: int, index: int, grad: torch.Tensor) -> None:
+        """A sparse (COO, row-wise) gradient of parameter ``index``, such as an
+        embedding lookup's, into the accumulator: its rows are summed first
+        (``index_add_`` in the order of the indices, as the dense embedding backward
+        sums them, so the sum is the same bit for bit) and each touched row is added
+        once; only those rows' pages are touched. An empty accumulator is zeroed
+        first (written, not mapped)."""
+        b = self._blocks[key]
+        assert b.grads is not None, f"block {key} was stored without gradients"
+        assert grad.layout == torch.sparse_coo, "a sparse COO gradient"
+        idx = grad._indices()[0]
+        vals = grad._values().detach().to("cpu")
+        rows, inverse = torch.unique(idx.to("cpu"), return_inverse=True)
+        summed = vals.new_zeros((rows.numel(), *vals.shape[1:]))
+        summed.index_add_(0, inverse, vals)
+        del vals, inverse
+        s = b.slots[index]
+        if not b.has_grad[index]:
+            zeros = bytes(min(s.nbytes, 2**20))
+            at, end = b.grads + s.offset, b.grads + s.offset + s.nbytes
+            while at < end:
+                at += os.pwrite(b.fd, zeros[: end - at], at)
+            b.has_grad[index] = True
+        if rows.numel():
+            v = self._rows(b, b.grads, index, 0, s.shape[0])
+            v.index_add_(0, rows, summed.to(s.dtype))
+            del v
         self._sync(b, b.grads, b.section_bytes)
 
     def adamw_step_mapped(
@@ -326,9 +414,15 @@ class BlockStore:
         """``adamw_step`` on the parameters in the file, mapping parameters, stored
         gradients and state a chunk at a time (CPU): the update's resident working
         set stays a few chunks whatever the size of the block. ``scale`` multiplies
-        the full gradient first (global-norm clipping). Same arithmetic, element by
-        element, as ``adamw_step``."""
+        the full gradient first (global-norm clipping). A sparse gradient (an
+        embedding lookup's) goes to the accumulator first (``accumulate_sparse``).
+        Same arithmetic, element by element, as ``adamw_step``."""
         b = self._blocks[key]
+        grads = list(grads)
+        for i, g in enumerate(grads):
+            if g is not None and g.layout == torch.sparse_coo:
+                self.accumulate_sparse(key, i, g)  # then updated from the store
+                grads[i] = None
         steps_map = self._map(b, b.steps, 4 * len(b.slots)).view(torch.float32)
         for i, g in enumerate(grads):
             s = b.slots[i]
@@ -365,6 +459,10 @@ class BlockStore:
             steps_map[i] = step + 1  # written after the tensors
         del steps_map
         self._sync(b)
+
+    def has_grad(self, key: int, index: int) -> bool:
+        """The accumulator holds a gradient of parameter ``index``."""
+        return self._blocks[key].has_grad[index]
 
     def has_grads(self, key: int) -> bool:
         return any(self._blocks[key].has_grad)

@@ -26,6 +26,18 @@ produced that leaf's gradient the gradient goes to the owner's accumulator on di
 a tied head's gradient does not stay in memory until the embedding's backward, as it
 would in autograd's buffer for one shared leaf. The owner's update adds it (float
 addition commutes, so the sum equals autograd's).
+
+Two kinds of parameter are never loaded or given a gradient whole (*row-streamed*):
+
+- an embedding table (``nn.Embedding`` whose weight the unit owns, ``row_lookups``)
+  is looked up in its mapped file, which touches only the rows of the batch's tokens,
+  and its backward is made sparse (``sparse=True`` while the plan is applied): the
+  store sums the looked-up rows (in the order the dense backward sums them, so the
+  result is the same bit for bit) and adds each to the accumulator on disk.
+- a chunked loss head's weight (``memory.head``), own or tied, is read a vocabulary
+  block at a time from its file and its gradient written there a block at a time
+  (``weight_rows``): a tied head's gradient goes straight into the owner's
+  accumulator, where the embedding's rows are added to it.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import torch
 from torch import nn
 
 from memory.blocks import Block
+from memory.chunked_loss import WeightRows
 from memory.errors import MemoryPlanError
 from memory.store import BlockStore
 
@@ -54,6 +67,56 @@ def parameter_owners(units: Sequence[Block]) -> dict[int, int]:
         for p in u.module.parameters():
             owner.setdefault(id(p), k)
     return owner
+
+
+def row_lookups(units: Sequence[Block]) -> dict[int, list[nn.Embedding]]:
+    """Per unit index, the embedding tables whose lookups a streamed unit makes
+    sparse: ``nn.Embedding`` modules inside the unit (and no other unit) whose
+    trainable weight the unit owns, without ``max_norm`` (which renormalises rows
+    in place)."""
+    owner = parameter_owners(units)
+    seen: dict[int, set[int]] = {}
+    for k, u in enumerate(units):
+        for mod in u.module.modules():
+            seen.setdefault(id(mod), set()).add(k)
+    out: dict[int, list[nn.Embedding]] = {}
+    for k, u in enumerate(units):
+        for mod in u.module.modules():
+            if (
+                isinstance(mod, nn.Embedding)
+                and seen[id(mod)] == {k}
+                and owner.get(id(mod.weight)) == k
+                and mod.weight.requires_grad
+                and mod.max_norm is None
+                and mod not in out.get(k, [])
+            ):
+                out.setdefault(k, []).append(mod)
+    return out
+
+
+class _StoredRows:
+    """``WeightRows`` over one parameter in the store (``memory.chunked_loss``)."""
+
+    def __init__(
+        self, store: BlockStore, key: int, index: int, done: Callable[[], None]
+    ) -> None:
+        self.store, self.key, self.index, self._done = store, key, index, done
+        self._first: bool | None = None
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.store.load_rows(self.key, self.index, start, stop)
+
+    def add_grad(self, start: int, stop: int, grad: torch.Tensor) -> None:
+        if self._first is None:  # nothing accumulated before this backward
+            self._first = not self.store.has_grad(self.key, self.index)
+        self.store.accumulate_rows(
+            self.key, self.index, start, stop, grad, first=self._first
+        )
+
+    def done(self) -> None:
+        self.store.rows_done(self.key, self.index)
+        self._first = None
+        self._done()
 
 
 class ParamStreamer:
@@ -146,6 +209,13 @@ class ParamStreamer:
             self.store.close()
             raise
         self._reset_pending()
+        self._sparse: list[nn.Embedding] = []
+        for k, mods in row_lookups(self.units).items():
+            if k in self.streamed:
+                for mod in mods:
+                    if not mod.sparse:
+                        mod.sparse = True
+                        self._sparse.append(mod)
 
     def _reset_pending(self) -> None:
         self._pending = {
@@ -178,8 +248,11 @@ class ParamStreamer:
             q.data = placeholder(q)
 
     # ------------------------------------------------------------------ updates
-    def _ready(self, k: int, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_p: torch.Tensor) -> None:
+    def _ready(self, k: int, i: int) -> Callable[..., None]:
+        """Parameter ``i`` of unit ``k`` has its gradient (a hook; also called with
+        no argument once its rows are all in the store)."""
+
+        def hook(_p: torch.Tensor | None = None) -> None:
             pending = self._pending.get(k)
             if pending is None:
                 return
@@ -235,6 +308,19 @@ class ParamStreamer:
         for k in list(self._loaded):
             self.unload(k)
 
+    def weight_rows(self, t: torch.Tensor) -> WeightRows | None:
+        """Rows of streamed parameter ``t`` (own or a borrower's leaf) from and to
+        the store, for the chunked head; None for a parameter in memory."""
+        for k, ps in self.own.items():
+            for i, p in enumerate(ps):
+                if p is t:
+                    return _StoredRows(self.store, k, i, self._ready(k, i))
+        for leaves in self._leaves.values():
+            for a, j, q in leaves:
+                if q is t:
+                    return _StoredRows(self.store, a, j, lambda: None)
+        return None
+
     def stored_norms(self) -> dict[int, torch.Tensor]:
         """Per-parameter norms of the stored gradients, by ``id`` of the parameter."""
         out = {}
@@ -288,6 +374,9 @@ class ParamStreamer:
         self.close()
 
     def close(self) -> None:
+        for emb in self._sparse:
+            emb.sparse = False
+        self._sparse = []
         for mod, name, p in self._swapped:  # the tied parameters as they were
             mod._parameters[name] = p
         self._swapped = []

@@ -380,11 +380,11 @@ def test_chunked_peak_is_a_fraction_of_the_unchunked_one():
 def test_head_chunk_bytes_arithmetic_and_errors():
     # GPT-2 small, 4 x 512 tokens, fp32: one 256-row block instead of 411 MB
     est = head_chunk_bytes(2048, 50257, 8, hidden_size=768)
-    assert est.forward_bytes == 2048 * 4 + 256 * 50257 * 4 + 256 * 64
+    assert est.forward_bytes == 2048 * 13 + 256 * 50257 * 4 + 256 * 64
     assert est.grad_bytes == (2048 + 50257) * 768 * 4
     assert est.backward_bytes == est.grad_bytes + 256 * 50257 * 4 + 256 * 64
     assert head_chunk_bytes(2048, 50257, 8, 2).forward_bytes == (
-        2048 * 4 + 256 * 50257 * 6 + 256 * 64
+        2048 * 13 + 256 * 50257 * 6 + 256 * 64
     )
     assert head_chunk_bytes(0, 10, 2) == HeadChunkBytes(0, 0, 0)
     with pytest.raises(ValueError, match="chunks"):
