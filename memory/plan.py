@@ -123,8 +123,7 @@ class _Model:
             + sum(b.buffer_bytes for b in blocks)
             + profile.runtime_bytes
         )
-        max_tensor = max((b.max_param_tensor_bytes for b in blocks), default=0)
-        self.opt_temp = 2 * max_tensor  # AdamW's per-tensor temporaries (sqrt, divide)
+        self.opt_temp = self.optimizer_temp([False] * self.n)
         names = [b.name for b in blocks]
         self.owner_of = [
             [names.index(o) for o in b.shared_with if o in names] for b in blocks
@@ -133,6 +132,19 @@ class _Model:
         bw = profile.disk or _DEFAULT_DISK
         self.read_s = 1.0 / bw.read_bytes_per_s
         self.write_s = 1.0 / bw.write_bytes_per_s
+
+    def optimizer_temp(self, streamed: Sequence[bool]) -> int:
+        """AdamW's per-tensor temporaries (sqrt, divide) in the optimizer step of
+        the blocks not ``streamed`` (a streamed block updates in its backward, a
+        chunk at a time)."""
+        return 2 * max(
+            (
+                b.max_param_tensor_bytes
+                for b, s in zip(self.profile.blocks, streamed, strict=True)
+                if not s
+            ),
+            default=0,
+        )
 
     def options(self, k: int) -> tuple[str, ...]:
         allowed = self.profile.blocks[k].options or CHAIN_OPTIONS
@@ -177,8 +189,29 @@ class _Model:
                 else c.forward_no_grad_peak_bytes
             )
         b = self.profile.blocks[k]
-        stream = b.param_bytes if cur == STREAM else 0
-        return (c.input_bytes if k > 0 else 0) + local + stream + shared
+        own, lent = self.rows(k, cur, shared)
+        stream = b.param_bytes - own if cur == STREAM else 0
+        rows = c.row_load_bytes if own or lent else 0
+        return (c.input_bytes if k > 0 else 0) + local + stream + rows + shared - lent
+
+    def rows(self, k: int, cur: str, shared: int) -> tuple[int, int]:
+        """Bytes of block k's own and borrowed parameters streamed by rows in this
+        setting (``memory.streaming``): its own when it is streamed, a borrowed one
+        when its owner is (``shared`` > 0)."""
+        b = self.profile.blocks[k]
+        return (b.row_param_bytes if cur == STREAM else 0), (
+            b.row_shared_bytes if shared else 0
+        )
+
+    def backward_peak(self, k: int, cur: str, shared: int) -> int:
+        """Block k's ``backward_peak_bytes``, its row-streamed parameters' dense
+        gradients replaced by their row pieces when they are streamed by rows."""
+        c = self.costs[k]
+        own, lent = self.rows(k, cur, shared)
+        if not (own or lent):
+            return c.backward_peak_bytes
+        dense = min(c.backward_peak_bytes, c.row_dense_grad_bytes)
+        return c.backward_peak_bytes - dense + c.row_load_bytes + c.row_grad_bytes
 
     def backward_local(self, k: int, cur: str, shared: int) -> int:
         """Backward event of block k beyond the kept prefix (itself included)."""
@@ -191,7 +224,9 @@ class _Model:
             if (cur in (KEEP, OFFLOAD) and c.saves_output and not last)
             else 0
         )
-        acc = b.grad_bytes if self.m > 1 and cur == STREAM else 0
+        own, lent = self.rows(k, cur, shared)
+        peak = self.backward_peak(k, cur, shared)
+        acc = b.grad_bytes - own if self.m > 1 and cur == STREAM else 0
         if self.c > 1 and last:
             ch = self.chunk
             rerun = max(
@@ -214,25 +249,28 @@ class _Model:
         else:
             local = max(
                 c.forward_peak_bytes,
-                c.saved_bytes + c.saves_output * c.output_bytes + c.backward_peak_bytes,
+                c.saved_bytes + c.saves_output * c.output_bytes + peak,
             )
             if cur == INPUTS_TO_DISK:
                 local += c.input_bytes  # read back for the rerun
         if cur == STREAM:
             # the update maps the store's accumulated gradients too, when there are
             # any (micro-batches, a tied parameter's other uses)
-            stored = b.grad_bytes if (self.m > 1 or k in self.lenders) else 0
+            stored = b.grad_bytes if (self.m > 1 or k in self.lenders or own) else 0
             work = stream_update_bytes(b.max_param_tensor_bytes)
+            # row-streamed gradients are in the store, a sparse one still held
+            held = b.grad_bytes - own + (c.row_grad_bytes if own else 0)
+            params = b.param_bytes - own
             if self.profile.update_by_chunks:
                 # parameters unmapped first, then mapped a chunk at a time with the
                 # state (inside ``work``) and, when there are any, the stored gradients
                 chunk = min(STREAM_CHUNK_BYTES, b.max_param_tensor_bytes)
-                update = b.grad_bytes + c.input_bytes + work + chunk * (stored > 0)
-                local = max(b.param_bytes + local + acc, update)
+                update = held + c.input_bytes + work + chunk * (stored > 0)
+                local = max(params + local + acc, update)
             else:
-                update = b.grad_bytes + stored + c.input_bytes + work
-                local = b.param_bytes + max(local + acc, update)
-        return grad_out + own_out + local + shared
+                update = held + stored + c.input_bytes + work
+                local = params + max(local + acc, update)
+        return grad_out + own_out + local + shared - lent
 
     def resident_po(self, k: int) -> int:
         b = self.profile.blocks[k]
@@ -250,7 +288,7 @@ class _Model:
         if cur == STREAM:
             grads = (
                 b.grad_bytes
-                if (self.m > 1 or self.profile.blocks[k].shared_param_bytes)
+                if (self.m > 1 or b.shared_param_bytes or b.row_param_bytes)
                 else 0
             )
             return b.param_bytes + b.optimizer_state_bytes + grads
@@ -274,11 +312,15 @@ class _Model:
         if cur == INPUTS_TO_DISK:
             t += m * c.input_bytes * (self.write_s + self.read_s)
         if cur == STREAM:
-            reads = 2 * m * b.param_bytes + b.optimizer_state_bytes + b.param_bytes
-            writes = b.param_bytes + b.optimizer_state_bytes
+            # a row-streamed parameter is read a micro-batch's rows at a time, its
+            # gradient written to the store and read back by the update
+            own = b.row_param_bytes
+            loads = b.param_bytes - own + (c.row_load_bytes if own else 0)
+            reads = 2 * m * loads + b.optimizer_state_bytes + b.param_bytes + own
+            writes = b.param_bytes + b.optimizer_state_bytes + own
             if m > 1:
-                reads += (m - 1) * b.grad_bytes
-                writes += (m - 1) * b.grad_bytes
+                reads += (m - 1) * (b.grad_bytes - own)
+                writes += (m - 1) * (b.grad_bytes - own)
             t += reads * self.read_s + writes * self.write_s
         return t
 
@@ -343,7 +385,7 @@ def _events(
         "base": base,
         "resident": po_res + g_res,
         "activations": 0,
-        "local": model.opt_temp,
+        "local": model.optimizer_temp(streamed),
     }
     events.append(("optimizer step", sum(parts.values()), parts))
     parts = {
@@ -908,6 +950,11 @@ def _groups(
     by_key: dict[tuple, tuple[dict, list[_Model], list[list[_Step]]]] = {}
     for m, c, fixed in _settings(profile, microbatching, max_microbatches, disk_ok):
         model = _Model(profile, m, c)
+        # the search starts from the optimizer step's temporaries: an upper bound,
+        # the blocks whose streaming is not fixed counted as resident
+        model.opt_temp = model.optimizer_temp(
+            [fixed.get(k) == (STREAM,) for k in range(model.n)]
+        )
         steps = _steps(model, fixed, cache)
         key = (m, tuple(sorted(fixed.items())))
         if key not in by_key:

@@ -87,6 +87,15 @@ class BlockCosts:
         backward_s: backward time, seconds.
         time_source: ``measured`` (timed with real tensors) or ``flops`` (FLOPs over
             the measured matmul rate).
+        row_load_bytes: when the block is streamed, what it holds at once of its
+            row-streamed parameters (``memory.streaming``): the pages of an
+            embedding table its lookups touch, one vocabulary block of a chunked
+            head's weight.
+        row_grad_bytes: ... and of their gradients in its backward (a lookup's
+            sparse gradient and the store's working set summing it in; a head's
+            gradient block and the accumulator rows it is added to).
+        row_dense_grad_bytes: the dense gradient bytes of those parameters inside
+            ``backward_peak_bytes``, which a row-streamed backward does not make.
     """
 
     input_bytes: int
@@ -102,6 +111,9 @@ class BlockCosts:
     forward_s: float = 0.0
     backward_s: float = 0.0
     time_source: str = "flops"
+    row_load_bytes: int = 0
+    row_grad_bytes: int = 0
+    row_dense_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,11 @@ class BlockProfile:
             for one chunk of a micro-batch, for ``loss_chunks > 1``.
         options: the planner's options allowed for this block (``memory.plan``
             letters: K keep, R recompute, O offload, S stream); empty: all.
+        row_param_bytes: bytes of its own parameters that are row-streamed when
+            the block is streamed (never loaded or given a gradient whole; see
+            ``BlockCosts.row_load_bytes``).
+        row_shared_bytes: bytes of the borrowed (tied) parameters it row-streams
+            when their owner is streamed (a tied chunked head's weight).
     """
 
     name: str
@@ -138,6 +155,8 @@ class BlockProfile:
     costs: dict[int, BlockCosts]
     chunk_costs: dict[tuple[int, int], BlockCosts] = field(default_factory=dict)
     options: tuple[str, ...] = ()
+    row_param_bytes: int = 0
+    row_shared_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -286,13 +305,18 @@ class Profile:
 
 # --------------------------------------------------------------------------- tracking
 class _LiveBytes(TorchDispatchMode):
-    """Follows every storage an op creates: live bytes now and the peak since reset."""
+    """Follows every storage an op creates: live bytes now and the peak since reset.
 
-    def __init__(self) -> None:
+    ``ignore``: storages (by ``id``) counted elsewhere (parameters, buffers, the
+    batch) that a view op can hand back (``weight[a:b]``, ``weight.t()``); they are
+    not new memory."""
+
+    def __init__(self, ignore: set[int] | None = None) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
+        self.ignore: set[int] = set() if ignore is None else ignore
 
     def _freed(self, key: int, nbytes: int) -> None:
         self._refs.pop(key, None)
@@ -301,7 +325,7 @@ class _LiveBytes(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = id(st)
-        if key in self._refs:
+        if key in self._refs or key in self.ignore:
             return
         nbytes = st.nbytes()
         self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._freed(k, n))  # type: ignore[misc]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -35,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
 from memory.blocks import Block
 from memory.errors import MemoryPlanError
-from memory.head import ChunkedHead
+from memory.head import ChunkedHead, vocab_block_bytes
 from memory.profile import (
     BlockCosts,
     BlockProfile,
@@ -45,11 +46,15 @@ from memory.profile import (
     is_batch_dependent,
     measure_flops_per_s,
 )
+from memory.streaming import parameter_owners, row_lookups
 from memory.units import call_model, find_units, no_kv_cache
 
 logger = logging.getLogger(__name__)
 
 GLUE = -1  # owner index of work before the first unit
+
+PAGE_BYTES = mmap.PAGESIZE
+"""A looked-up row of a mapped table touches its pages: at most a row and a page."""
 
 
 class _Tracker(_LiveBytes):
@@ -93,8 +98,9 @@ class _Trace:
         self.units = list(units)
         n = len(units)
         self.n = n
-        self.tracker = _Tracker(n)
         self.exclude = exclude  # parameter, buffer and batch storages
+        self.tracker = _Tracker(n)
+        self.tracker.ignore = exclude
         self.level = [0] * n  # live bytes at the unit's first forward entry
         self.fwd_peak = [0] * n
         self.bwd_level = [-1] * n
@@ -298,6 +304,81 @@ def _costs(tr: _Trace, shared: set[int]) -> list[BlockCosts]:
     return out
 
 
+class _RowParams:
+    """A model's row-streamed parameters (``memory.streaming``) by unit, and what
+    streaming them by rows costs for a micro-batch (``BlockCosts.row_*``)."""
+
+    def __init__(self, units: Sequence[Block], head: ChunkedHead | None) -> None:
+        n = len(units)
+        owner = parameter_owners(units)
+        users: dict[int, set[int]] = {}
+        for k, u in enumerate(units):
+            for p in u.module.parameters():
+                users.setdefault(id(p), set()).add(k)
+        self.own = [0] * n
+        self.shared = [0] * n
+        self.lookups = row_lookups(units)
+        self.tables: dict[int, list[tuple[nn.Embedding, int, int, bool]]] = {}
+        for k, mods in self.lookups.items():
+            for mod in mods:
+                w = mod.weight
+                nbytes = w.numel() * w.element_size()
+                row = nbytes // max(w.shape[0], 1)
+                tied = len(users[id(w)]) > 1
+                self.tables.setdefault(k, []).append((mod, nbytes, row, tied))
+                self.own[k] += nbytes
+        self.head_unit = -1
+        self.head_block = self.head_weight = 0
+        if head is not None:
+            w = head.head.weight
+            for k, u in enumerate(units):
+                if any(m is head.head for m in u.module.modules()):
+                    self.head_unit = k
+            if self.head_unit >= 0 and w.requires_grad:
+                self.head_block = vocab_block_bytes(w)
+                self.head_weight = w.numel() * w.element_size()
+                if owner.get(id(w)) == self.head_unit:
+                    self.own[self.head_unit] += self.head_weight
+                else:
+                    self.shared[self.head_unit] += self.head_weight
+        self.tokens: dict[int, int] = {}
+
+    def hooks(self) -> list[Any]:
+        """Forward hooks counting each table's looked-up rows (grad mode only)."""
+        self.tokens = {}
+        out = []
+        for mods in self.tables.values():
+            for mod, *_ in mods:
+
+                def hook(m: nn.Module, args: tuple, _out: Any) -> None:
+                    if torch.is_grad_enabled() and args:
+                        key = id(m)
+                        self.tokens[key] = self.tokens.get(key, 0) + args[0].numel()
+
+                out.append(mod.register_forward_hook(hook))
+        return out
+
+    def costs(self, k: int, c: BlockCosts) -> BlockCosts:
+        """Unit ``k``'s costs ``c`` with the row fields of the micro-batch just
+        traced."""
+        load = grad = dense = 0
+        for mod, nbytes, row, tied in self.tables.get(k, []):
+            n = self.tokens.get(id(mod), 0)
+            touched = min(n * (row + PAGE_BYTES), nbytes)
+            load += touched
+            # sparse gradient (values, indices), its unique rows and inverse, the
+            # rows summed, and the accumulator pages they are added to
+            grad += n * (row + 8) + 16 * n + min(n, nbytes // row) * row + touched
+            dense += (2 if tied else 1) * nbytes
+        if k == self.head_unit and self.head_block:
+            load += self.head_block
+            grad += 2 * self.head_block  # the block's gradient, the rows it joins
+            dense += self.head_weight
+        return replace(
+            c, row_load_bytes=load, row_grad_bytes=grad, row_dense_grad_bytes=dense
+        )
+
+
 def profile_units(
     model: nn.Module,
     inputs: Any,
@@ -341,6 +422,7 @@ def profile_units(
         head.install()
     batch = batch_size_of(inputs)
     states = _state(fake_units, optimizer)
+    rows = _RowParams(fake_units, head)
     exclude = {_key(t) for t in (*fake.parameters(), *fake.buffers())}
     costs_by_m: dict[int, list[BlockCosts]] = {}
     base_extra = 0
@@ -353,7 +435,14 @@ def profile_units(
         ]:
             x, y = split_batch(fx, fy, m)[0]
             batch_keys = {_key(t) for t in tensors_of((x, y))}
-            tr = _run_trace(fake, fake_units, x, y, loss_fn, exclude | batch_keys, head)
+            counting = rows.hooks()
+            try:
+                tr = _run_trace(
+                    fake, fake_units, x, y, loss_fn, exclude | batch_keys, head
+                )
+            finally:
+                for h in counting:
+                    h.remove()
             seen: dict[int, int] = {}
             shared: set[int] = set()
             for k in range(tr.n):
@@ -361,7 +450,7 @@ def profile_units(
                     if s in seen and seen[s] != k:
                         shared.add(s)
                     seen.setdefault(s, k)
-            costs_by_m[m] = _costs(tr, shared)
+            costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(_costs(tr, shared))]
             if m == 1:
                 glue_of = [sum(g.values()) for g in tr.glue_saved]
                 sizes = {s: b for k in range(tr.n) for s, b in tr.inputs[k].items()}
@@ -382,7 +471,15 @@ def profile_units(
         }
         # glue that saves tensors: the unit's wrappers could not move them
         options = ("K",) if glue_of[k] > 64 * 1024 else ("K", "R", "O", "S", "D")
-        blocks.append(BlockProfile(costs=by_m, options=options, **st))
+        blocks.append(
+            BlockProfile(
+                costs=by_m,
+                options=options,
+                row_param_bytes=rows.own[k],
+                row_shared_bytes=rows.shared[k],
+                **st,
+            )
+        )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     batch_bytes = sum(_nbytes(t) for t in tensors_of((inputs, targets)))

@@ -299,3 +299,57 @@ def test_checkpoint_block_on_deepcopy_does_not_touch_original():
     assert not torch.equal(m[1].running_mean, snap["1.running_mean"])
     assert torch.equal(m[1].running_mean, ref[1].running_mean)
     assert int(m[1].num_batches_tracked) == 1
+
+
+def _dense_embedding_grad(table: torch.Tensor, ids: torch.Tensor, out_grad):
+    w = table.clone().requires_grad_(True)
+    torch.nn.functional.embedding(ids, w).backward(out_grad)
+    return w.grad
+
+
+def _sparse_embedding_grad(table: torch.Tensor, ids: torch.Tensor, out_grad):
+    w = table.clone().requires_grad_(True)
+    torch.nn.functional.embedding(ids, w, sparse=True).backward(out_grad)
+    return w.grad
+
+
+def test_store_sums_sparse_lookup_gradients_as_the_dense_backward(tmp_path):
+    """Repeated tokens, two backwards, a row no lookup touched: the accumulator holds
+    what the dense embedding backward gives, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 7, generator=g)
+    store = BlockStore(tmp_path)
+    store.add(0, [table], with_grads=True)
+    want = None
+    for step in range(2):
+        ids = torch.randint(0, 40, (3, 33), generator=g)  # rows 40-49 untouched
+        ids[0, :5] = 3  # one row many times
+        out_grad = torch.randn(3, 33, 7, generator=g)
+        dense = _dense_embedding_grad(table, ids, out_grad)
+        want = dense if want is None else want + dense
+        store.accumulate_sparse(0, 0, _sparse_embedding_grad(table, ids, out_grad))
+        assert store.has_grad(0, 0)
+        assert torch.equal(store.stored_grad(0, 0), want), step
+    assert not store.stored_grad(0, 0)[40:].any()
+    store.close()
+
+
+def test_store_rows_read_and_accumulate_in_place(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(10, 4, generator=g)
+    store = BlockStore(tmp_path)
+    store.add(0, [w], with_grads=True)
+    assert torch.equal(store.load_rows(0, 0, 3, 7), w[3:7])
+    parts = [torch.randn(10, 4, generator=g) for _ in range(2)]
+    for i, grad in enumerate(parts):
+        for a, b in ((0, 4), (4, 10)):
+            store.accumulate_rows(0, 0, a, b, grad[a:b], first=i == 0)
+        store.rows_done(0, 0)
+    assert torch.equal(store.stored_grad(0, 0), parts[0] + parts[1])
+    # a sparse gradient after rows adds to them (a tied head, then its embedding)
+    ids = torch.tensor([[1, 1, 9]])
+    og = torch.randn(1, 3, 4, generator=g)
+    store.accumulate_sparse(0, 0, _sparse_embedding_grad(w, ids, og))
+    want = parts[0] + parts[1] + _dense_embedding_grad(w, ids, og)
+    assert torch.equal(store.stored_grad(0, 0), want)
+    store.close()
