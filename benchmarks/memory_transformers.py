@@ -117,6 +117,7 @@ def bench(
     steps: int,
     tmp: str,
     from_file: bool = True,
+    plain_row: bool = True,
 ) -> list[dict[str, Any]]:
     from memory.materialize import save_state
     from memory.profile import loading_from_file
@@ -133,20 +134,31 @@ def bench(
         profiles[1], MemoryPlan.plain([b.name for b in profiles[1].blocks])
     ).peak_bytes
     del model
-    plain = _run(factory, kwargs, None, steps, tmp, init_state)
-    rows = [
-        dict(
-            row="plain",
-            budget=None,
-            predicted=plain_pred,
-            measured=plain.peak_bytes,
-            step_s=plain.result["step_s"],
-            ratio=1.0,
-            plan="plain",
+    rows: list[dict[str, Any]] = []
+    plain = None
+    if plain_row:
+        plain = _run(factory, kwargs, None, steps, tmp, init_state)
+        rows.append(
+            dict(
+                row="plain",
+                budget=None,
+                predicted=plain_pred,
+                measured=plain.peak_bytes,
+                step_s=plain.result["step_s"],
+                ratio=1.0,
+                plan="plain",
+            )
         )
-    ]
-    print(_fmt(rows[-1]), flush=True)
+        print(_fmt(rows[-1]), flush=True)
+    else:
+        print(
+            f"{'plain':>10}  not run (--no-plain); predicted "
+            f"{format_bytes(plain_pred)}",
+            flush=True,
+        )
     for b in budgets:
+        if plain is None and (b == "plain" or b.startswith("1/")):
+            raise SystemExit(f"budget {b!r} needs the plain row; drop --no-plain")
         if b == "plain":
             budget: int | None = plain.peak_bytes
         elif b == "min":
@@ -174,9 +186,13 @@ def bench(
                 predicted=plan.predicted_peak_bytes,
                 measured=m.peak_bytes,
                 step_s=m.result["step_s"],
-                ratio=m.result["step_s"] / plain.result["step_s"],
+                ratio=None
+                if plain is None
+                else m.result["step_s"] / plain.result["step_s"],
                 plan=_plan_str(plan),
-                losses_equal=max(
+                losses_equal=None
+                if plain is None
+                else max(
                     abs(a - b_) / abs(b_)
                     for a, b_ in zip(m.result["losses"], plain.result["losses"])
                 ),
@@ -191,7 +207,8 @@ def _fmt(r: dict) -> str:
     return (
         f"{r['row']:>10} {budget:>11} {format_bytes(r['predicted']):>11} "
         f"{format_bytes(r['measured']):>11} {r['predicted'] / r['measured']:>6.3f} "
-        f"{r['step_s']:>8.2f} {r['ratio']:>6.2f}  {r['plan']}"
+        f"{r['step_s']:>8.2f} "
+        f"{'-' if r['ratio'] is None else format(r['ratio'], '.2f'):>6}  {r['plan']}"
     )
 
 
@@ -214,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         help="each child builds the model itself instead of reading a state file",
     )
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip the plain row (a model whose plain step does not fit this machine)",
+    )
     args = ap.parse_args(argv)
     import tempfile
 
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.steps,
                 tmp,
                 not args.in_memory,
+                plain_row=not args.no_plain,
             )
     if args.json:
         with open(args.json, "w") as f:

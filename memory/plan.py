@@ -226,7 +226,14 @@ class _Model:
         )
         own, lent = self.rows(k, cur, shared)
         peak = self.backward_peak(k, cur, shared)
-        acc = b.grad_bytes - own if self.m > 1 and cur == STREAM else 0
+        # the chain executor adds a micro-batch's gradients to the whole mapped
+        # accumulator; the unit path adds them a chunk at a time after unmapping the
+        # parameters (inside ``update`` below)
+        acc = (
+            b.grad_bytes - own
+            if self.m > 1 and cur == STREAM and not self.profile.update_by_chunks
+            else 0
+        )
         if self.c > 1 and last:
             ch = self.chunk
             rerun = max(
