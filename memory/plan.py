@@ -124,6 +124,15 @@ class _Model:
             + profile.runtime_bytes
         )
         self.opt_temp = self.optimizer_temp([False] * self.n)
+        # A resident block's gradients while they are alive. A unit that borrows a
+        # tied parameter (a head tied to the embedding) holds that parameter's
+        # gradient too: autograd keeps it in the shared leaf's buffer from the
+        # borrower's backward until the owner's (the unit path; a borrower is
+        # resident only with a resident owner).
+        self.grads = [
+            b.grad_bytes + (b.shared_param_bytes if profile.update_by_chunks else 0)
+            for b in blocks
+        ]
         names = [b.name for b in blocks]
         self.owner_of = [
             [names.index(o) for o in b.shared_with if o in names] for b in blocks
@@ -265,8 +274,8 @@ class _Model:
             # any (micro-batches, a tied parameter's other uses)
             stored = b.grad_bytes if (self.m > 1 or k in self.lenders or own) else 0
             work = stream_update_bytes(b.max_param_tensor_bytes)
-            # row-streamed gradients are in the store, a sparse one still held
-            held = b.grad_bytes - own + (c.row_grad_bytes if own else 0)
+            # row-streamed gradients are in the store by now
+            held = b.grad_bytes - own
             params = b.param_bytes - own
             if self.profile.update_by_chunks:
                 # parameters unmapped first, then mapped a chunk at a time with the
@@ -279,12 +288,23 @@ class _Model:
                 local = params + max(local + acc, update)
         return grad_out + own_out + local + shared - lent
 
+    def tied_grad(self, k: int) -> int:
+        """The borrowed (tied) gradient in ``grads[k]``: alive in autograd's buffer
+        whenever the owner is resident, whatever block k does."""
+        return self.grads[k] - self.profile.blocks[k].grad_bytes
+
+    def held_grad(self, k: int, streamed: Sequence[bool]) -> int:
+        """Gradient bytes block k keeps in memory in this plan."""
+        if not streamed[k]:
+            return self.grads[k]
+        return self.tied_grad(k) if not self.shared_load(k, streamed) else 0
+
     def resident_po(self, k: int) -> int:
         b = self.profile.blocks[k]
         return b.param_bytes + b.optimizer_state_bytes
 
     def resident_all(self, k: int) -> int:
-        return self.resident_po(k) + self.profile.blocks[k].grad_bytes
+        return self.resident_po(k) + self.grads[k]
 
     def disk(self, k: int, cur: str) -> int:
         b, c = self.profile.blocks[k], self.costs[k]
@@ -355,7 +375,7 @@ def _events(
     n = model.n
     streamed = [ch == STREAM for ch in choices]
     po_res = sum(model.resident_po(k) for k in range(n) if not streamed[k])
-    g_res = sum(p.blocks[k].grad_bytes for k in range(n) if not streamed[k])
+    g_res = sum(model.held_grad(k, streamed) for k in range(n))
     held = [
         model.held_boundary(i, choices[i - 1] if i else KEEP, choices[i])
         for i in range(n)
@@ -369,7 +389,7 @@ def _events(
         local = model.forward_local(j, choices[j], sh)
         # later blocks' gradients count as resident (every micro-batch after the first)
         g_later = sum(
-            p.blocks[k].grad_bytes for k in range(j + 1, n) if not streamed[k]
+            model.held_grad(k, streamed) for k in range(j + 1, n)
         )
         parts = {
             "base": base,
@@ -381,7 +401,7 @@ def _events(
     for j in reversed(range(n)):
         sh = model.shared_load(j, streamed)
         g_later = sum(
-            p.blocks[k].grad_bytes for k in range(j + 1, n) if not streamed[k]
+            model.held_grad(k, streamed) for k in range(j + 1, n)
         )
         acts = sum(kept[: j + 1]) + sum(held[: j + 1])
         local = model.backward_local(j, choices[j], sh)
@@ -497,8 +517,12 @@ def _steps(
         row = []
         for cur in opts:
             res = cur != STREAM
-            beta = model.resident_all(k) if res else 0
-            grow = (beta if model.m > 1 else model.resident_po(k)) if res else 0
+            if res:
+                beta = model.resident_all(k)
+                grow = beta if model.m > 1 else model.resident_po(k)
+            else:  # a tied gradient for a resident owner stays in memory
+                beta = 0 if sh else model.tied_grad(k)
+                grow = beta if model.m > 1 else 0
             kept = model.kept(k, cur)
             f = grow + model.forward_local(k, cur, sh)
             b = model.backward_local(k, cur, sh)
