@@ -375,7 +375,11 @@ def _events(
     n = model.n
     streamed = [ch == STREAM for ch in choices]
     po_res = sum(model.resident_po(k) for k in range(n) if not streamed[k])
-    g_res = sum(model.held_grad(k, streamed) for k in range(n))
+    # own gradients; a tied one (``held_grad`` less own) only in backward events
+    # from the borrower's backward down to the owner's
+    own_g = [p.blocks[k].grad_bytes if not streamed[k] else 0 for k in range(n)]
+    tied = [model.held_grad(k, streamed) - own_g[k] for k in range(n)]
+    g_res = sum(own_g)
     held = [
         model.held_boundary(i, choices[i - 1] if i else KEEP, choices[i])
         for i in range(n)
@@ -388,9 +392,7 @@ def _events(
         acts = sum(kept[:j]) + sum(held[:j])
         local = model.forward_local(j, choices[j], sh)
         # later blocks' gradients count as resident (every micro-batch after the first)
-        g_later = sum(
-            model.held_grad(k, streamed) for k in range(j + 1, n)
-        )
+        g_later = sum(own_g[j + 1 :])
         parts = {
             "base": base,
             "resident": po_res + (g_res if model.m > 1 else g_later),
@@ -400,12 +402,15 @@ def _events(
         events.append((f"forward of {p.blocks[j].name}", sum(parts.values()), parts))
     for j in reversed(range(n)):
         sh = model.shared_load(j, streamed)
-        g_later = sum(
-            model.held_grad(k, streamed) for k in range(j + 1, n)
+        g_later = sum(own_g[j + 1 :])
+        waiting = sum(
+            tied[k]
+            for k in range(j + 1, n)
+            if tied[k] and min(model.owner_of[k], default=n) <= j
         )
         acts = sum(kept[: j + 1]) + sum(held[: j + 1])
         local = model.backward_local(j, choices[j], sh)
-        res = po_res + (g_res if model.m > 1 else g_later)
+        res = po_res + (g_res if model.m > 1 else g_later) + waiting
         parts = {"base": base, "resident": res, "activations": acts, "local": local}
         events.append((f"backward of {p.blocks[j].name}", sum(parts.values()), parts))
     parts = {
