@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from memory.errors import BudgetError, MeasurementError  # noqa: E402
 from memory.measure import measure_in_child  # noqa: E402
-from memory.overhead import runtime_overhead_bytes  # noqa: E402
+from memory.overhead import workload_runtime_bytes  # noqa: E402
 from memory.plan import predict  # noqa: E402
 from memory.sizes import format_bytes, parse_bytes  # noqa: E402
 from memory.spec import MemoryPlan  # noqa: E402
@@ -124,7 +124,8 @@ def bench(
     from memory.step import load_factory
 
     model, (x, y) = load_factory(factory)(**kwargs)
-    profiles = unit_profiles(model, x, y, runtime_bytes=runtime_overhead_bytes())
+    runtime = workload_runtime_bytes(factory, kwargs, offload_dir=tmp)
+    profiles = unit_profiles(model, x, y, runtime_bytes=runtime)
     init_state = None
     if from_file:  # the checkpoint every child reads (outside the measurement)
         init_state = os.path.join(tmp, "init.safetensors")

@@ -11,8 +11,13 @@ Two costs come on top of a model's own tensors and are the same for every plan:
   step in a child process, and profiles carry it as ``Profile.runtime_bytes``, which
   the planner adds to every event of a step.
 
-Set ``FLEETFIT_RUNTIME_BYTES`` to skip the probe (e.g. on a device measured before);
-otherwise the probe runs once per machine (``memory.machine``'s cache).
+``workload_runtime_bytes`` measures the second cost for one ``module:function``
+workload instead, with its own model and kernels: the generic probe's figure is off by
+tens of MiB for a model whose kernels it does not run (see its docstring), and the
+per-unit planner (``memory.unit_profile``) uses it.
+
+Set ``FLEETFIT_RUNTIME_BYTES`` to skip the probes (e.g. on a device measured before);
+otherwise each probe runs once per machine (``memory.machine``'s cache).
 """
 
 from __future__ import annotations
@@ -81,5 +86,59 @@ def runtime_overhead_bytes() -> int:
         cached(
             "runtime_overhead_bytes",
             lambda: measure_in_child("memory.overhead:_probe", {}).peak_bytes,
+        )
+    )
+
+
+def _workload_runtime(factory: str, kwargs_json: str, offload_dir: str | None) -> int:
+    import json
+
+    from memory.measure import measure_in_child
+
+    kwargs = json.loads(kwargs_json)
+    m = measure_in_child(
+        "memory.step:runtime_probe",
+        {"factory": factory, "factory_kwargs": kwargs, "offload_dir": offload_dir},
+        preload=(factory.split(":")[0],),
+        warmup=("memory.step:warm_up", {"factory": factory, "factory_kwargs": kwargs}),
+        timeout_s=1800,
+    )
+    return int(m.result["file_bytes"])
+
+
+def workload_runtime_bytes(
+    factory: str,
+    factory_kwargs: dict[str, Any] | None = None,
+    *,
+    offload_dir: str | None = None,
+) -> int:
+    """The runtime's first-step cost for one ``module:function`` workload, bytes:
+    the library code its training step pages in, measured in a child that starts as
+    the workload's measured runs do (the factory's module imported and its model
+    built on ``meta`` before the baseline) and trains the model on two examples,
+    plainly and under a plan using every mechanism (``memory.step.runtime_probe``).
+
+    Why not ``runtime_overhead_bytes``: the runtime's cost is almost all file-backed
+    pages of library code (``RssFile``; the generic probe's anonymous growth is under
+    0.5 MiB), so it depends on which kernels run (a ViT's patch convolution pages in
+    oneDNN code that the generic probe's 3x3 convolution does not: 23 MiB of a ViT
+    run's 80 MiB) and on how the libraries sit in the page cache (a freshly written
+    ``libtorch_cpu.so`` is cached in large folios, mapped whole: the generic probe
+    measured 76 MiB right after ``pip install`` and 30 MiB once those pages had been
+    evicted and read back; 21 MiB right after another machine's install). Measured once per workload and kept in the machine cache
+    (``memory.machine``), so the same command plans the same; costs one child that
+    builds the model (seconds). Delete the cache after reinstalling torch."""
+    import json
+
+    override = os.environ.get("FLEETFIT_RUNTIME_BYTES")
+    if override:
+        return runtime_overhead_bytes()
+    from memory.machine import cached
+
+    kwargs_json = json.dumps(factory_kwargs or {}, sort_keys=True)
+    return int(
+        cached(
+            f"workload_runtime_bytes {factory} {kwargs_json}",
+            lambda: _workload_runtime(factory, kwargs_json, offload_dir),
         )
     )

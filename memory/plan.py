@@ -58,11 +58,16 @@ _AS_PLAN: dict[str, tuple[Activations, State, bool]] = {
 DEFAULT_DISK_SHARE = 0.5
 """Default disk budget: this share of the free space in the offload directory."""
 
-ALLOCATOR_SLACK_FRACTION = 0.05
+ALLOCATOR_SLACK_FRACTION = 0.07
 """Allocator and bookkeeping overhead on top of the modelled bytes (fraction). At 0.03
 the transformers ViT's plan at a third of its plain peak was predicted within 0.01% of
 its measured peak and the run-time guard stopped it 0.1 MiB over the budget (a
-plan fills its budget): 0.05 leaves about 2% for the noise of the measured peak."""
+plan fills its budget). At 0.05, with the runtime measured per workload
+(``memory.overhead.workload_runtime_bytes``), the test suite's transformers plans were
+predicted 0.97-1.07x their measured peaks, and two plans that filled their budgets
+crossed them by 0.1-0.2% (T5 at a third of plain's peak: 151.97 MiB measured, 151.19
+predicted, budget 151.81; GPT-2 at a third: 139.37 measured, budget 139.18): 0.07
+moves every prediction up by 2%."""
 
 ALLOCATOR_SLACK_BYTES = 4 * 2**20
 """... plus this many bytes (interpreter objects, small allocations, page rounding)."""

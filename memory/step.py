@@ -551,3 +551,68 @@ def train_measured(
         "step_times_s": times,
         "step_s": statistics.median(later),
     }
+
+
+def runtime_probe(
+    factory: str, factory_kwargs: dict[str, Any], offload_dir: str | None = None
+) -> dict[str, Any]:
+    """The target of ``memory.overhead.workload_runtime_bytes``'s measuring child: the
+    library code a training step of this workload pages in (``RssFile`` growth: the
+    kernels' code, which a plan's tensors do not show).
+
+    Builds the workload's model and trains it on the first two examples of its batch,
+    once plainly and once under a plan that uses every mechanism (each unit recomputed
+    from inputs kept on disk, its state streamed, two micro-batches, the loss in two
+    chunks where the model has a head to chunk): the kernels a plan's step runs, at
+    shapes near a micro-batch's. Returns ``{"file_bytes": ...}``, the growth once the
+    model and its files are gone (library code stays mapped; data files do not)."""
+    import gc
+    import tempfile
+
+    from memory.batch import batch_size_of, map_tensors
+    from memory.measure import _status_bytes
+    from memory.spec import BlockPlan
+
+    f0 = _status_bytes("RssFile")
+
+    def build() -> tuple[nn.Module, Any, Any, Any]:
+        torch.manual_seed(0)
+        built = load_factory(factory)(**factory_kwargs)
+        model, (inputs, targets) = built[0], built[1]
+        n = batch_size_of(inputs)
+        k = min(n, 2)
+
+        def first(t: torch.Tensor) -> torch.Tensor:
+            return t[:k] if t.dim() > 0 and t.shape[0] == n else t
+
+        return (
+            model,
+            map_tensors(inputs, first),
+            map_tensors(targets, first),
+            built[2] if len(built) > 2 else None,
+        )
+
+    model, x, y, loss_fn = build()
+    names = [u.name for u in find_units(model, x)]
+    k = batch_size_of(x)
+    every = tuple(BlockPlan(n, "recompute", "stream", True) for n in names)
+    mechanisms = [
+        MemoryPlan(every, num_microbatches=k, loss_chunks=c)
+        for c in ((2, 1) if loss_fn is None else (1,))
+    ]
+    with tempfile.TemporaryDirectory(dir=offload_dir) as tmp:
+        for plan in [MemoryPlan.plain(names)] + mechanisms:
+            model, x, y, loss_fn = build()
+            try:
+                tr = PlannedTrainer(model, plan, x, loss_fn=loss_fn, offload_dir=tmp)
+            except MemoryPlanError:
+                continue  # no linear head to chunk the loss over: the next plan
+            try:
+                tr.step(x, y)
+            finally:
+                tr.close(restore=False)
+            del tr, model
+            gc.collect()
+            if not plan.is_plain:
+                break  # one plan with every mechanism is enough
+    return {"file_bytes": _status_bytes("RssFile") - f0}

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from memory.measure import Measurement, measure_in_child
-from memory.overhead import runtime_overhead_bytes
+from memory.overhead import runtime_overhead_bytes, workload_runtime_bytes
 from memory.profile import Profile, measure_disk_bandwidth, profile_workload_fake
 from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
@@ -330,17 +330,16 @@ def profile_any_model(
 ) -> dict[int, Profile]:
     """The per-unit profiles of a ``module:function`` workload (``uses_units``), one
     per loss chunk count its head allows (``memory.unit_profile.unit_profiles``: from
-    its own forward on fake tensors), with this disk's bandwidth and this machine's
-    runtime overhead as ``profile_workload`` gives them. The profiles' blocks are the
+    its own forward on fake tensors), with this disk's bandwidth and the runtime's
+    cost measured for this workload (``memory.overhead.workload_runtime_bytes``). The profiles' blocks are the
     model's units, in execution order; ``[1]`` is the model's own loss."""
     from memory.unit_profile import unit_profiles
 
     assert wl.example is not None, f"{wl.name} is not a module:function workload"
     inputs, targets, loss_fn = wl.example
     model = wl.make_model(0)
-    profiles = unit_profiles(
-        model, inputs, targets, loss_fn, runtime_bytes=runtime_overhead_bytes()
-    )
+    runtime = workload_runtime_bytes(wl.name, offload_dir=offload_dir)
+    profiles = unit_profiles(model, inputs, targets, loss_fn, runtime_bytes=runtime)
     del model
     disk = measure_disk_bandwidth(offload_dir)
     return {c: p.with_disk(disk) for c, p in profiles.items()}

@@ -1,0 +1,37 @@
+"""The runtime's first-step cost measured per workload (``memory.overhead``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memory import overhead
+
+pytest.importorskip("transformers")
+
+FACTORY = "tests.hf.models:build_batch"
+
+
+def test_workload_runtime_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """The probe child trains the workload plainly and under a plan that uses every
+    mechanism; it reports the library code that paged in (at least the matmul and
+    attention kernels: over a MiB), and the figure is kept in the machine cache."""
+    monkeypatch.setenv("FLEETFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLEETFIT_NO_CACHE", raising=False)
+    monkeypatch.delenv("FLEETFIT_RUNTIME_BYTES", raising=False)
+    kwargs = {"name": "gpt2", "size": "test"}
+    first = overhead.workload_runtime_bytes(FACTORY, kwargs, offload_dir=str(tmp_path))
+    assert isinstance(first, int) and first > 2**20, first
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(overhead, "_workload_runtime", fail)
+    assert overhead.workload_runtime_bytes(FACTORY, dict(kwargs)) == first
+    with pytest.raises(AssertionError, match="measured again"):  # another workload
+        overhead.workload_runtime_bytes(FACTORY, {"name": "bert", "size": "test"})
+
+
+def test_runtime_override_skips_every_probe(monkeypatch):
+    monkeypatch.setenv("FLEETFIT_RUNTIME_BYTES", "12MiB")
+    monkeypatch.setattr(overhead, "_workload_runtime", None)  # a probe would fail
+    assert overhead.workload_runtime_bytes(FACTORY, {"name": "gpt2"}) == 12 * 2**20
