@@ -71,14 +71,19 @@ def _probe() -> dict[str, Any]:
     return {}
 
 
-@functools.cache
 def runtime_overhead_bytes() -> int:
-    """Peak RSS of a tiny training step above the import baseline, bytes (cached)."""
+    """Peak RSS of a tiny training step above the import baseline, bytes (cached;
+    ``FLEETFIT_RUNTIME_BYTES`` read at every call, never cached)."""
     override = os.environ.get("FLEETFIT_RUNTIME_BYTES")
     if override:
         from memory.sizes import parse_bytes
 
         return parse_bytes(override, what="FLEETFIT_RUNTIME_BYTES", allow_zero=True)
+    return _generic_runtime()
+
+
+@functools.cache
+def _generic_runtime() -> int:
     from memory.machine import cached
     from memory.measure import measure_in_child
 

@@ -31,7 +31,15 @@ def test_workload_runtime_is_measured_once_and_kept(tmp_path, monkeypatch):
         overhead.workload_runtime_bytes(FACTORY, {"name": "bert", "size": "test"})
 
 
-def test_runtime_override_skips_every_probe(monkeypatch):
+def test_runtime_override_skips_every_probe_and_is_not_kept(monkeypatch):
+    """The override is read at every call: once unset, the measured figure is back
+    (it was kept in the process once, and every later plan of the test session used
+    12 MiB as torch's runtime: three budget-grid runs crossed their budgets)."""
     monkeypatch.setenv("FLEETFIT_RUNTIME_BYTES", "12MiB")
     monkeypatch.setattr(overhead, "_workload_runtime", None)  # a probe would fail
+    monkeypatch.setattr(overhead, "_generic_runtime", None)
     assert overhead.workload_runtime_bytes(FACTORY, {"name": "gpt2"}) == 12 * 2**20
+    assert overhead.runtime_overhead_bytes() == 12 * 2**20
+    monkeypatch.delenv("FLEETFIT_RUNTIME_BYTES")
+    monkeypatch.setattr(overhead, "_generic_runtime", lambda: 34 * 2**20)
+    assert overhead.runtime_overhead_bytes() == 34 * 2**20
