@@ -95,12 +95,11 @@ def _generic_runtime() -> int:
     )
 
 
-def _workload_runtime(factory: str, kwargs_json: str, offload_dir: str | None) -> int:
-    import json
-
+def _workload_runtime(
+    factory: str, kwargs: dict[str, Any], offload_dir: str | None
+) -> int:
     from memory.measure import measure_in_child
 
-    kwargs = json.loads(kwargs_json)
     m = measure_in_child(
         "memory.step:runtime_probe",
         {"factory": factory, "factory_kwargs": kwargs, "offload_dir": offload_dir},
@@ -130,9 +129,10 @@ def workload_runtime_bytes(
     run's 80 MiB) and on how the libraries sit in the page cache (a freshly written
     ``libtorch_cpu.so`` is cached in large folios, mapped whole: the generic probe
     measured 76 MiB right after ``pip install`` and 30 MiB once those pages had been
-    evicted and read back; 21 MiB right after another machine's install). Measured once per workload and kept in the machine cache
-    (``memory.machine``), so the same command plans the same; costs one child that
-    builds the model (seconds). Delete the cache after reinstalling torch."""
+    evicted and read back; 21 MiB right after another machine's install). Measured
+    once per workload and kept in the machine cache (``memory.machine``), so the same
+    command plans the same; costs one child that builds the model (seconds). Delete
+    the cache after reinstalling torch."""
     import json
 
     override = os.environ.get("FLEETFIT_RUNTIME_BYTES")
@@ -140,10 +140,10 @@ def workload_runtime_bytes(
         return runtime_overhead_bytes()
     from memory.machine import cached
 
-    kwargs_json = json.dumps(factory_kwargs or {}, sort_keys=True)
+    kwargs = factory_kwargs or {}
     return int(
         cached(
-            f"workload_runtime_bytes {factory} {kwargs_json}",
-            lambda: _workload_runtime(factory, kwargs_json, offload_dir),
+            f"workload_runtime_bytes {factory} {json.dumps(kwargs, sort_keys=True)}",
+            lambda: _workload_runtime(factory, kwargs, offload_dir),
         )
     )

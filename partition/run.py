@@ -331,8 +331,9 @@ def profile_any_model(
     """The per-unit profiles of a ``module:function`` workload (``uses_units``), one
     per loss chunk count its head allows (``memory.unit_profile.unit_profiles``: from
     its own forward on fake tensors), with this disk's bandwidth and the runtime's
-    cost measured for this workload (``memory.overhead.workload_runtime_bytes``). The profiles' blocks are the
-    model's units, in execution order; ``[1]`` is the model's own loss."""
+    cost measured for this workload (``memory.overhead.workload_runtime_bytes``).
+    The profiles' blocks are the model's units, in execution order; ``[1]`` is the
+    model's own loss."""
     from memory.unit_profile import unit_profiles
 
     assert wl.example is not None, f"{wl.name} is not a module:function workload"
