@@ -34,7 +34,6 @@ from flwr.app import (
     Context,
     Error,
     Message,
-    MetricRecord,
     RecordDict,
 )
 from flwr.clientapp import ClientApp
@@ -46,9 +45,6 @@ from flwr.supercore.differential_privacy import (
 )
 
 from client.config import (
-    FLEET_DISK,
-    FLEET_MEMORY,
-    FLEET_SPEEDS,
     NodeConfig,
     available_memory_bytes,
     check_workload_allowed,
@@ -59,7 +55,10 @@ from client.ort_eval import evaluate_only
 from client.train import draw_batches, train_assigned
 from memory.profile import measure_flops_per_s
 from memory.spec import MemoryPlan
-from server import protocol
+from wire import keys
+from wire.facts import NodeFacts
+from wire.instruction import TrainInstruction, resolve_measure
+from wire.reply import EvalReply, TrainReply
 from workloads import get_workload
 from workloads.node_data import evaluate_batches
 
@@ -91,7 +90,7 @@ def _node(context: Context, extra: dict | None = None) -> NodeConfig:
     fleet = {
         k: v
         for k, v in {**dict(context.run_config), **(extra or {})}.items()
-        if k in (FLEET_MEMORY, FLEET_DISK, FLEET_SPEEDS)
+        if k in keys.FLEET_KEYS
     }
     return NodeConfig.from_node_config(dict(context.node_config), fleet)
 
@@ -99,23 +98,23 @@ def _node(context: Context, extra: dict | None = None) -> NodeConfig:
 @app.query()
 @_error_reply
 def query(msg: Message, context: Context) -> Message:
-    asked = dict(msg.content.config_records.get(protocol.CONFIG, {}))
+    asked = dict(msg.content.config_records.get(keys.CONFIG, {}))
     node = _node(context, asked)
-    facts = ConfigRecord(
-        {
-            protocol.PARTITION_ID: node.partition_id,
-            protocol.NUM_PARTITIONS: node.num_partitions,
-            protocol.BUDGET_BYTES: node.budget_bytes,
-            protocol.DISK_BUDGET_BYTES: node.disk_budget_bytes,
-            protocol.BUDGET_SOURCE: node.budget_source,
-            protocol.TOTAL_MEMORY_BYTES: total_memory_bytes(),
-            protocol.AVAILABLE_MEMORY_BYTES: available_memory_bytes(),
-            protocol.FREE_DISK_BYTES: free_disk_bytes(node.offload_dir),
-            protocol.FLOPS_PER_S: measure_flops_per_s() * node.speed_factor,
-            protocol.NUM_CPUS: os.cpu_count() or 1,
-        }
+    facts = NodeFacts(
+        partition_id=node.partition_id,
+        num_partitions=node.num_partitions,
+        budget_bytes=node.budget_bytes,
+        disk_budget_bytes=node.disk_budget_bytes,
+        budget_source=node.budget_source,
+        total_memory_bytes=total_memory_bytes(),
+        available_memory_bytes=available_memory_bytes(),
+        free_disk_bytes=free_disk_bytes(node.offload_dir),
+        flops_per_s=measure_flops_per_s() * node.speed_factor,
+        num_cpus=os.cpu_count() or 1,
     )
-    return Message(RecordDict({protocol.NODE: facts}), reply_to=msg)
+    return Message(
+        RecordDict({keys.NODE: ConfigRecord(facts.to_record())}), reply_to=msg
+    )
 
 
 def message_bytes(content: RecordDict) -> int:
@@ -140,7 +139,7 @@ def clipping_mod(
     counters) are neither counted nor scaled. Without ``clipping_norm`` the reply
     passes unchanged (the server did not ask for client-side clipping).
     """
-    config = msg.content.config_records.get(protocol.CONFIG, ConfigRecord())
+    config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     if KEY_CLIPPING_NORM not in config:
         return call_next(msg, context)
     norm = config[KEY_CLIPPING_NORM]
@@ -152,11 +151,11 @@ def clipping_mod(
             ),
             reply_to=msg,
         )
-    received = msg.content.array_records.get(protocol.ARRAYS)
+    received = msg.content.array_records.get(keys.ARRAYS)
     reply = call_next(msg, context)
-    if reply.has_error() or protocol.ARRAYS not in reply.content.array_records:
+    if reply.has_error() or keys.ARRAYS not in reply.content.array_records:
         return reply
-    sent = reply.content.array_records[protocol.ARRAYS]
+    sent = reply.content.array_records[keys.ARRAYS]
     if received is None or not set(sent) <= set(received):
         return Message(
             Error(
@@ -166,14 +165,16 @@ def clipping_mod(
             reply_to=msg,
         )
     new = {k: sent[k].numpy() for k in sent}
-    keys = [k for k in sent if new[k].dtype.kind == "f"]
-    trained = [new[k] for k in keys]
-    compute_clip_model_update(trained, [received[k].numpy() for k in keys], float(norm))
-    new.update(zip(keys, trained, strict=True))
-    reply.content.array_records[protocol.ARRAYS] = ArrayRecord(
+    floats = [k for k in sent if new[k].dtype.kind == "f"]
+    trained = [new[k] for k in floats]
+    compute_clip_model_update(
+        trained, [received[k].numpy() for k in floats], float(norm)
+    )
+    new.update(zip(floats, trained, strict=True))
+    reply.content.array_records[keys.ARRAYS] = ArrayRecord(
         {k: Array(new[k]) for k in sent}
     )
-    log.info("update clipped to L2 norm %g over %d arrays", norm, len(keys))
+    log.info("update clipped to L2 norm %g over %d arrays", norm, len(floats))
     return reply
 
 
@@ -182,34 +183,30 @@ def clipping_mod(
 def train(msg: Message, context: Context) -> Message:
     node = _node(context)
     received = message_bytes(msg.content)
-    ins = protocol.TrainInstruction.from_config(
-        dict(msg.content.config_records.get(protocol.CONFIG, {}))
+    ins = TrainInstruction.from_config(
+        dict(msg.content.config_records.get(keys.CONFIG, {}))
     )
     check_workload_allowed(ins.workload, context.node_config)  # before any import
-    report = ConfigRecord({"kind": ins.kind})
     if ins.kind == "none":
         log.warning("no part of the model fits this node: %s", ins.reason)
-        metrics = MetricRecord(
-            {
-                protocol.NUM_EXAMPLES: 0,
-                protocol.PARTITION_ID: node.partition_id,
-                protocol.MIN_BUDGET_BYTES: ins.min_budget_bytes,
-                protocol.MESSAGE_BYTES: received,
-            }
-        )
-        report["reason"] = ins.reason
+        evaluated = None
         if ins.eval_runtime == "onnxruntime":  # evaluate the round's model, torch-free
-            eval_metrics, eval_report = evaluate_only(msg.content, node, ins)
-            metrics.update(eval_metrics)
-            report.update(eval_report)
-        return Message(
-            RecordDict({protocol.METRICS: metrics, protocol.REPORT: report}),
-            reply_to=msg,
+            evaluated = evaluate_only(msg.content, node, ins)
+        reply = TrainReply(
+            "none",
+            num_examples=0,
+            partition_id=node.partition_id,
+            min_budget_bytes=ins.min_budget_bytes,
+            message_bytes=received,
+            reason=ins.reason,
+            peak_method="ort-child" if evaluated and evaluated.ran else None,
+            eval=evaluated,
         )
+        return Message(reply.to_content(), reply_to=msg)
     workload = get_workload(
         ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
     )
-    state = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
+    state = msg.content.array_records[keys.ARRAYS].to_torch_state_dict()
     # the reply keeps the received order: Flower's DP wrappers pair arrays by position
     order = {k: i for i, k in enumerate(state)}
     batches, num_examples, torch_seed = draw_batches(
@@ -230,55 +227,40 @@ def train(msg: Message, context: Context) -> Message:
         num_examples=num_examples,
         torch_seed=torch_seed,
         plan=MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None,
-        window=(ins.window_start, ins.window_stop) if ins.kind == "part" else None,
+        window=ins.window,
         lr=ins.lr,
-        measure=(
-            ("inline" if node.budget_source == "measured" else "child")
-            if ins.measure == "auto"
-            else ins.measure
-        ),
+        measure=resolve_measure(ins.measure, node.budget_source),
         offload_dir=node.offload_dir,
     )
     del state
-    metrics = MetricRecord(
-        {
-            protocol.NUM_EXAMPLES: result.num_examples,
-            protocol.TRAIN_LOSS: result.mean_loss,
-            protocol.TRAIN_S: result.train_s,
-            protocol.PARTITION_ID: node.partition_id,
-            protocol.PEAK_BYTES: result.peak_bytes,
-            protocol.BASELINE_BYTES: result.baseline_bytes,
-            protocol.MESSAGE_BYTES: received,
-            protocol.STEPS_DONE: result.steps,
-        }
+    reply = TrainReply(
+        ins.kind,
+        num_examples=result.num_examples,
+        train_loss=result.mean_loss,
+        train_s=result.train_s,
+        partition_id=node.partition_id,
+        peak_bytes=result.peak_bytes,
+        baseline_bytes=result.baseline_bytes,
+        message_bytes=received,
+        steps_done=result.steps,
+        peak_method=result.method,
+        window=ins.window,
     )
-    report["peak-method"] = result.method
-    if ins.kind == "part":
-        report["window"] = [ins.window_start, ins.window_stop]
-    content = RecordDict(
-        {
-            protocol.ARRAYS: ArrayRecord(
-                dict(sorted(result.state.items(), key=lambda kv: order.get(kv[0], -1)))
-            ),
-            protocol.METRICS: metrics,
-            protocol.REPORT: report,
-        }
+    arrays = ArrayRecord(
+        dict(sorted(result.state.items(), key=lambda kv: order.get(kv[0], -1)))
     )
-    return Message(content, reply_to=msg)
+    return Message(reply.to_content(arrays), reply_to=msg)
 
 
 @app.evaluate()
 @_error_reply
 def evaluate(msg: Message, context: Context) -> Message:
-    config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
-    check_workload_allowed(
-        str(config.get("workload", "digits-cnn")), context.node_config
-    )
-    workload = get_workload(str(config.get("workload", "digits-cnn")))
+    config = dict(msg.content.config_records.get(keys.CONFIG, {}))
+    name = str(config.get(keys.WORKLOAD, TrainInstruction.workload))
+    check_workload_allowed(name, context.node_config)
+    workload = get_workload(name)
     model = workload.make_model(0)
-    model.load_state_dict(
-        msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-    )
+    model.load_state_dict(msg.content.array_records[keys.ARRAYS].to_torch_state_dict())
     if workload.own_data:  # this node's own held-out batches
         node = _node(context)
         batches = workload.eval_batches(node.partition_id, node.num_partitions)
@@ -287,11 +269,5 @@ def evaluate(msg: Message, context: Context) -> Message:
     else:
         m = workload.evaluate(model)
         num_examples = len(workload.items(train=False))
-    metrics = MetricRecord(
-        {
-            "eval-loss": m["loss"],
-            "eval-acc": m["accuracy"],
-            protocol.NUM_EXAMPLES: num_examples,
-        }
-    )
-    return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)
+    reply = EvalReply(float(m["loss"]), float(m["accuracy"]), num_examples)
+    return Message(reply.to_content(), reply_to=msg)

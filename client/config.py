@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memory.sizes import format_bytes, parse_bytes
+from wire.facts import fleet_entry
+from wire.keys import FLEET_DISK, FLEET_MEMORY, FLEET_SPEEDS
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,6 @@ MEMORY_SHARE = 0.5
 DISK_SHARE = 0.5
 """Share of the offload directory's free space a node without ``disk-budget`` uses."""
 
-FLEET_MEMORY = "fleet-memory-budgets"
-FLEET_DISK = "fleet-disk-budgets"
-FLEET_SPEEDS = "fleet-speeds"
 ALLOW_WORKLOADS = "allow-workloads"
 """Node-config key: the ``module:function`` workloads this node may import."""
 ALLOW_WORKLOADS_ENV = "FLEETFIT_ALLOW_WORKLOADS"
@@ -133,9 +132,9 @@ class NodeConfig:
         if "memory-budget" in node_config:
             budget = parse_bytes(node_config["memory-budget"], what="memory-budget")
             source = "node-config"
-        elif _entry(fleet.get(FLEET_MEMORY), pid) is not None:
+        elif fleet_entry(fleet.get(FLEET_MEMORY), pid) is not None:
             budget = parse_bytes(
-                _entry(fleet.get(FLEET_MEMORY), pid) or "", what=FLEET_MEMORY
+                fleet_entry(fleet.get(FLEET_MEMORY), pid) or "", what=FLEET_MEMORY
             )
             source = "fleet"
         else:
@@ -146,9 +145,9 @@ class NodeConfig:
                 node_config["disk-budget"], what="disk-budget", allow_zero=True
             )
             disk_key = "disk-budget"
-        elif _entry(fleet.get(FLEET_DISK), pid) is not None:
+        elif fleet_entry(fleet.get(FLEET_DISK), pid) is not None:
             disk = parse_bytes(
-                _entry(fleet.get(FLEET_DISK), pid) or "0",
+                fleet_entry(fleet.get(FLEET_DISK), pid) or "0",
                 what=FLEET_DISK,
                 allow_zero=True,
             )
@@ -200,7 +199,7 @@ class NodeConfig:
                 _reported.add(note)
                 log.warning("%s", note)
         speed = 1.0
-        raw_speed = _entry(fleet.get(FLEET_SPEEDS), pid)
+        raw_speed = fleet_entry(fleet.get(FLEET_SPEEDS), pid)
         if raw_speed is not None:
             try:
                 speed = float(raw_speed)
@@ -272,14 +271,6 @@ def check_workload_allowed(name: Any, node_config: Mapping[str, Any]) -> None:
         f"--node-config '{ALLOW_WORKLOADS}=\"{name}\"' (fleetfit client "
         f"--allow-workloads {name}) or {ALLOW_WORKLOADS_ENV}={name}"
     )
-
-
-def _entry(spec: Any, partition_id: int) -> str | None:
-    """Entry ``partition_id`` (modulo the count) of a comma-separated fleet list."""
-    if spec is None or (isinstance(spec, str) and not spec.strip()):
-        return None
-    items = [s.strip() for s in str(spec).split(",") if s.strip()]
-    return items[partition_id % len(items)] if items else None
 
 
 def _meminfo(key: str) -> int:

@@ -16,26 +16,26 @@ from typing import Any
 
 from client.config import NodeConfig
 from onnxrun.measure import OrtEvalError, evaluate_in_child
-from server import protocol
+from wire import keys
+from wire.instruction import TrainInstruction
+from wire.reply import EvalResult
 from workloads import get_workload
 
 
-def evaluate_only(
-    content: Any, node: NodeConfig, ins: protocol.TrainInstruction
-) -> tuple[dict[str, int | float], dict[str, str]]:
-    """Run the evaluation; return the reply's metrics and report entries.
+def evaluate_only(content: Any, node: NodeConfig, ins: TrainInstruction) -> EvalResult:
+    """Run the evaluation; return its result for the reply.
 
-    A failed evaluation is reported (``eval-error``), not raised: the node still
+    A failed evaluation is reported (``EvalResult.error``), not raised: the node still
     answers its ``none`` assignment.
     """
-    arrays = content.array_records.get(protocol.ARRAYS)
-    if arrays is None or protocol.ONNX_MODEL not in arrays:
-        return {}, {"eval-error": "the instruction carried no ONNX model"}
+    arrays = content.array_records.get(keys.ARRAYS)
+    if arrays is None or keys.ONNX_MODEL not in arrays:
+        return EvalResult(error="the instruction carried no ONNX model")
     workload = get_workload(
         ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
     )
     if workload.kind not in ("image", "lm"):
-        return {}, {"eval-error": f"{workload.name}: not a classifier or an LM"}
+        return EvalResult(error=f"{workload.name}: not a classifier or an LM")
     items = workload.client_items(
         node.partition_id,
         node.num_partitions,
@@ -46,19 +46,19 @@ def evaluate_only(
     )
     x, y = workload.eval_arrays(items)
     with tempfile.TemporaryDirectory(prefix="fleetfit-eval-only-") as tmp:
-        path = os.path.join(tmp, protocol.ONNX_MODEL)
+        path = os.path.join(tmp, keys.ONNX_MODEL)
         with open(path, "wb") as f:
-            f.write(arrays[protocol.ONNX_MODEL].numpy().tobytes())
+            f.write(arrays[keys.ONNX_MODEL].numpy().tobytes())
         try:
             m = evaluate_in_child(path, x, y, workload.kind)
         except OrtEvalError as e:
-            return {}, {"eval-error": str(e)[-500:]}
-    metrics: dict[str, int | float] = {
-        protocol.EVAL_LOSS: float(m.metrics["loss"]),
-        protocol.EVAL_ACCURACY: float(m.metrics["accuracy"]),
-        protocol.EVAL_NUM_EXAMPLES: int(m.metrics["num_examples"]),
-        protocol.EVAL_S: m.wall_s,
-        protocol.PEAK_BYTES: m.peak_bytes,
-        protocol.BASELINE_BYTES: m.baseline_bytes,
-    }
-    return metrics, {"peak-method": "ort-child", "eval-runtime": "onnxruntime"}
+            return EvalResult(error=str(e)[-500:])
+    return EvalResult(
+        loss=float(m.metrics["loss"]),
+        accuracy=float(m.metrics["accuracy"]),
+        num_examples=int(m.metrics["num_examples"]),
+        eval_s=m.wall_s,
+        runtime="onnxruntime",
+        peak_bytes=m.peak_bytes,
+        baseline_bytes=m.baseline_bytes,
+    )

@@ -59,6 +59,7 @@ from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
 from partition.run import load_batches, save_batches
+from wire.windows import trained_keys
 from workloads import Workload, get_workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -112,43 +113,18 @@ def draw_batches(
     return [next(stream) for _ in range(local_steps)], len(items), int(torch_seed)
 
 
-def trainable_blocks(num_blocks: int, window: tuple[int, int] | None) -> list[int]:
-    """Indices of the blocks a window trains (all blocks for ``None``)."""
-    if window is None:
-        return list(range(num_blocks))
-    start, stop = window
-    if not 0 <= start <= stop <= num_blocks - 1:
-        raise ValueError(
-            f"window [{start}, {stop}) is outside the model's {num_blocks - 1} "
-            "blocks before the head"
-        )
-    return [*range(start, stop), num_blocks - 1]
-
-
 def freeze_for_window(
     model: nn.Module,
     window: tuple[int, int] | None,
     blocks: Sequence[Block] | None = None,
 ) -> list[str]:
-    """Set ``requires_grad`` for a window; return the state-dict keys it trains.
-
-    Trained keys: parameters that end up trainable (a tied parameter follows its
-    owner, the first block using it) and the buffers of trained blocks. ``blocks``:
-    the model's blocks or units (default: ``as_blocks(model)``).
-    """
-    blocks = as_blocks(model) if blocks is None else blocks
-    train = set(trainable_blocks(len(blocks), window))
-    owner: dict[int, int] = {}
-    for i, b in enumerate(blocks):
-        for p in b.module.parameters():
-            owner.setdefault(id(p), i)
-    for p in model.parameters():
-        p.requires_grad_(owner.get(id(p), -1) in train)
-    prefixes = [b.name + "." for i, b in enumerate(blocks) if i in train]
-    keys = [
-        k for k, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
-    ]
-    keys += [k for k, _ in model.named_buffers() if k.startswith(tuple(prefixes))]
+    """Set ``requires_grad`` for a window; return the state-dict keys it trains
+    (``wire.windows.trained_keys``: the keys the server expects back). ``blocks``:
+    the model's blocks or units (default: ``as_blocks(model)``)."""
+    keys = trained_keys(model, window, blocks)
+    train = set(keys)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        p.requires_grad_(name in train)  # a tied parameter's names agree
     return keys
 
 

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from server.config import ServerConfig
 from server.loop import Federation
+from wire import keys
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class FlowerTransport:
     def query(self, node_ids: list[int], timeout_s: float) -> dict[int, Message]:
         msgs = [
             Message(
-                RecordDict({"config": ConfigRecord(dict(self.query_config))}),
+                RecordDict({keys.CONFIG: ConfigRecord(dict(self.query_config))}),
                 node_id,
                 MessageType.QUERY,
             )
@@ -85,7 +86,7 @@ class FlowerTransport:
     ) -> list[Message]:
         msgs = [
             Message(
-                RecordDict({"arrays": arrays, "config": config}),
+                RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}),
                 node_id,
                 MessageType.TRAIN,
                 group_id=str(server_round),

@@ -39,18 +39,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 from torch import nn
 
-from memory.blocks import Block, as_blocks
 from memory.errors import BudgetError
 from memory.plan import min_budget_bytes, predict
 from memory.profile import Profile, profile_workload_fake
 from memory.spec import MemoryPlan
 from memory.unit_profile import plan_units, unit_profiles
-from memory.units import find_units
-from server import protocol
+from wire.facts import NodeFacts
+from wire.windows import model_blocks, trained_keys
 from workloads import Workload
 
 log = logging.getLogger(__name__)
@@ -134,9 +132,9 @@ class Assigner:
         """The whole model's profile with its own loss (one chunk)."""
         return self.profiles[1]
 
-    def assign(self, facts: dict[str, Any], server_round: int) -> Assignment:
-        budget = _int_or_none(facts.get(protocol.BUDGET_BYTES))
-        disk = _int_or_none(facts.get(protocol.DISK_BUDGET_BYTES))
+    def assign(self, facts: NodeFacts, server_round: int) -> Assignment:
+        budget = facts.budget_bytes
+        disk = facts.disk_budget_bytes
         if budget is None:  # a client that did not answer fleetfit's query
             return Assignment("full", None, None, None, None, self.local_steps)
         disk = disk or 0
@@ -198,9 +196,7 @@ class Assigner:
         """The budget a node needs to train the whole model plainly."""
         return self.plain_plan.predicted_peak_bytes + self.reserve
 
-    def _plain_or_nothing(
-        self, budget: int, disk: int, facts: dict[str, Any]
-    ) -> Assignment:
+    def _plain_or_nothing(self, budget: int, disk: int, facts: NodeFacts) -> Assignment:
         need = self.plain_need_bytes()
         if need <= budget:
             return self._timed("full", budget, disk, self.plain_plan, None, facts)
@@ -219,11 +215,11 @@ class Assigner:
         disk: int,
         plan: MemoryPlan,
         window: tuple[int, int] | None,
-        facts: dict[str, Any],
+        facts: NodeFacts,
     ) -> Assignment:
         step_s = plan.predicted_step_s
-        rate = facts.get(protocol.FLOPS_PER_S)
-        if isinstance(rate, int | float) and rate > 0 and self.profile.flops_per_s:
+        rate = facts.flops_per_s
+        if rate is not None and self.profile.flops_per_s:
             step_s *= self.profile.flops_per_s / float(rate)
         steps = self.local_steps
         if step_s > 0 and steps * step_s > self.train_time_s:
@@ -260,12 +256,6 @@ class Assigner:
             }
         return self._parts[key]
 
-    def expected_keys(
-        self, model: nn.Module, window: tuple[int, int] | None
-    ) -> set[str]:
-        """The state-dict keys a reply to this assignment must carry."""
-        return set(trained_keys(model, window, self.blocks))
-
 
 def _nothing(budget: int, disk: int, need: int, reason: str) -> Assignment:
     """A ``none`` assignment: nothing to train, the budget that would get work."""
@@ -295,44 +285,3 @@ def part_profile(profile: Profile, start: int, stop: int) -> Profile:
     return replace(
         profile, blocks=tuple(blocks), batch_bytes=profile.batch_bytes + held
     )
-
-
-def model_blocks(workload: Workload, model: nn.Module) -> list[Block]:
-    """The blocks assignments are made over: the model's units for an ``any_model``
-    workload, else its chain blocks (a tensor workload keeps the chain path in
-    federations; decided from the workload alone, as the client decides)."""
-    if workload.any_model:
-        assert workload.example is not None
-        return list(find_units(model, workload.example[0]))
-    return list(as_blocks(model))
-
-
-def trained_keys(
-    model: nn.Module,
-    window: tuple[int, int] | None,
-    blocks: list[Block] | None = None,
-) -> list[str]:
-    """State-dict keys an assignment trains: trainable parameters (a tied one follows
-    the first block using it) and the buffers of trained blocks (``blocks``: the
-    model's blocks or units, default ``as_blocks(model)``)."""
-    blocks = as_blocks(model) if blocks is None else blocks
-    n = len(blocks)
-    train = set(range(n)) if window is None else {*range(*window), n - 1}
-    owner: dict[int, int] = {}
-    for i, b in enumerate(blocks):
-        for p in b.module.parameters():
-            owner.setdefault(id(p), i)
-    keys = [
-        k
-        for k, p in model.named_parameters(remove_duplicate=False)
-        if owner.get(id(p), -1) in train
-    ]
-    prefixes = tuple(b.name + "." for i, b in enumerate(blocks) if i in train)
-    keys += [k for k, _ in model.named_buffers() if k.startswith(prefixes)]
-    return keys
-
-
-def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value)

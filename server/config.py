@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
+from wire.flat import from_flat, split_list, to_flat
+from wire.instruction import MEASURES, parse_classes
+from wire.keys import FLEET_DISK, FLEET_MEMORY, FLEET_SPEEDS
 from workloads.registry import EVAL_MAX_ITEMS, Workload, get_workload
 from workloads.splits import SPLITS
 
@@ -31,11 +34,14 @@ class ServerConfig:
     batch_size: int = 0  # [batch-size] 0: the workload's default
     seq_len: int = 0  # [seq-len] 0: the workload's default
     out: str = "runs/flwr"  # [out] run folder
-    round_timeout_s: float = 600.0  # [round-timeout] seconds to wait for replies
-    node_wait_s: float = 300.0  # [node-wait] seconds to wait for min-nodes
+    round_timeout_s: float = field(default=600.0, metadata={"key": "round-timeout"})
+    #   [round-timeout] seconds to wait for replies
+    node_wait_s: float = field(default=300.0, metadata={"key": "node-wait"})
+    #   [node-wait] seconds to wait for min-nodes
     min_replies: int = 1  # [min-replies] replies a round needs to change the model
-    train_time_s: float = 0.0  # [train-time] seconds of local training per round;
-    #   a slow node gets fewer steps. 0: half of round-timeout
+    train_time_s: float = field(default=0.0, metadata={"key": "train-time"})
+    #   [train-time] seconds of local training per round; a slow node gets fewer
+    #   steps. 0: half of round-timeout
     norm_bound: float = 10.0  # [norm-bound] reject updates whose relative change is
     #   above this many times the round's median; 0 disables
     runtime_reserve: str = "100MiB"  # [runtime-reserve] fixed process costs the
@@ -73,26 +79,7 @@ class ServerConfig:
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
         """Parse and validate; unknown keys are an error naming the key."""
-        keys = {_key(f.name): f for f in fields(cls)}
-        unknown = sorted(set(run_config) - set(keys))
-        if unknown:
-            raise ValueError(
-                f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(keys)}"
-            )
-        values: dict[str, Any] = {}
-        for key, value in run_config.items():
-            f = keys[key]
-            want = type(getattr(cls(), f.name))
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, want) or (
-                want is not bool and isinstance(value, bool)
-            ):
-                raise ValueError(
-                    f"run-config {key}={value!r} must be a {want.__name__}"
-                )
-            values[f.name] = value
-        cfg = cls(**values)
+        cfg = from_flat(cls, run_config, what="run-config", strict=True)
         cfg.validate()
         return cfg
 
@@ -132,28 +119,26 @@ class ServerConfig:
             raise bad("eval-only", self.eval_only, "onnxruntime or off")
         if self.export_onnx not in ("end", "every-round", "off"):
             raise bad("export-onnx", self.export_onnx, "end, every-round or off")
-        if self.client_measure not in ("auto", "child", "inline"):
+        if self.client_measure not in MEASURES:
             raise bad("client-measure", self.client_measure, "auto, child or inline")
         try:
             parse_bytes(self.runtime_reserve, what="runtime-reserve", allow_zero=True)
             for key, spec in (
-                ("fleet-memory-budgets", self.fleet_memory_budgets),
-                ("fleet-disk-budgets", self.fleet_disk_budgets),
+                (FLEET_MEMORY, self.fleet_memory_budgets),
+                (FLEET_DISK, self.fleet_disk_budgets),
             ):
-                for item in filter(None, (x.strip() for x in spec.split(","))):
-                    parse_bytes(item, what=key, allow_zero=key == "fleet-disk-budgets")
+                for item in split_list(spec):
+                    parse_bytes(item, what=key, allow_zero=key == FLEET_DISK)
         except MemoryPlanError as e:
             raise ValueError(str(e)) from None
-        for item in filter(None, (x.strip() for x in self.fleet_speeds.split(","))):
+        for item in split_list(self.fleet_speeds):
             try:
                 ok = float(item) > 0
             except ValueError:
                 ok = False
             if not ok:
-                raise bad("fleet-speeds", self.fleet_speeds, "positive numbers")
-        for item in filter(
-            None, (x.strip() for x in self.fleet_availability.split(","))
-        ):
+                raise bad(FLEET_SPEEDS, self.fleet_speeds, "positive numbers")
+        for item in split_list(self.fleet_availability):
             try:
                 ok = 0 < float(item) <= 1
             except ValueError:
@@ -197,20 +182,16 @@ class ServerConfig:
             )
 
     def to_run_config(self) -> dict[str, Any]:
-        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+        return to_flat(self)
 
     @property
     def classes(self) -> tuple[int, ...] | None:
         """``fleet-classes`` as integers (None where not given)."""
-        if not self.fleet_classes.strip():
-            return None
-        return tuple(int(x) for x in self.fleet_classes.split(","))
+        return parse_classes(self.fleet_classes, what="run-config fleet-classes")
 
     def availability(self, partition_id: int) -> float:
         """The probability that partition ``partition_id``'s node is online a round."""
-        items = [
-            x for x in (s.strip() for s in self.fleet_availability.split(",")) if x
-        ]
+        items = split_list(self.fleet_availability)
         return float(items[partition_id % len(items)]) if items else 1.0
 
     def load_workload(self) -> Workload:
@@ -237,17 +218,9 @@ class ServerConfig:
         return {
             k: v
             for k, v in (
-                ("fleet-memory-budgets", self.fleet_memory_budgets),
-                ("fleet-disk-budgets", self.fleet_disk_budgets),
-                ("fleet-speeds", self.fleet_speeds),
+                (FLEET_MEMORY, self.fleet_memory_budgets),
+                (FLEET_DISK, self.fleet_disk_budgets),
+                (FLEET_SPEEDS, self.fleet_speeds),
             )
             if v
         }
-
-
-def _key(name: str) -> str:
-    return {
-        "round_timeout_s": "round-timeout",
-        "node_wait_s": "node-wait",
-        "train_time_s": "train-time",
-    }.get(name, name.replace("_", "-"))

@@ -16,11 +16,16 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
-from server import persist, privacy, protocol
+from server import persist, privacy
 from server.aggregate import Update, accept_updates, weighted_average
 from server.assign import Assigner, Assignment
 from server.config import ServerConfig
 from server.onnx_rounds import OnnxRounds
+from wire import keys
+from wire.facts import NodeFacts
+from wire.instruction import TrainInstruction, resolve_measure
+from wire.reply import MalformedReply, TrainReply
+from wire.windows import trained_keys
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ class Federation:
         self.model = self.workload.make_model(cfg.seed)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
-        self.nodes: dict[int, dict[str, Any]] = {}  # node id -> facts (query reply)
+        self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
         self.offline: list[int] = []  # this round's nodes drawn offline
         self.assigner = Assigner(
             self.workload,
@@ -96,10 +101,11 @@ class Federation:
                     node_id,
                     reply.error.reason,
                 )
-                self.nodes[node_id] = {}
+                self.nodes[node_id] = NodeFacts()
                 continue
-            facts = dict(reply.content.config_records.get(protocol.NODE, {}))
-            self.nodes[node_id] = facts
+            self.nodes[node_id] = NodeFacts.from_record(
+                reply.content.config_records.get(keys.NODE, {})
+            )
         log.info("known nodes: %d", len(self.nodes))
 
     def sample(self, server_round: int) -> list[int]:
@@ -123,7 +129,7 @@ class Federation:
         return [known[i] for i in pick]
 
     def _partition(self, node_id: int) -> int:
-        return int(self.nodes[node_id].get(protocol.PARTITION_ID) or 0)
+        return self.nodes[node_id].partition_id or 0
 
     def _online(self, node_id: int, server_round: int) -> bool:
         """A seeded draw per (round, partition) against its ``fleet-availability``."""
@@ -189,14 +195,16 @@ class Federation:
         instructions: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}
         assignments: dict[int, Assignment] = {}
         for node_id in sampled:
-            a = self.assigner.assign(self.nodes.get(node_id, {}), server_round)
+            facts = self.nodes.get(node_id, NodeFacts())
+            a = self.assigner.assign(facts, server_round)
             assignments[node_id] = a
-            config = self._instruction(a, server_round, self.nodes.get(node_id, {}))
             arrays = (
                 full_arrays
                 if a.kind != "none"
-                else self.onnx.eval_only_arrays(self.model, server_round, config)
+                else self.onnx.eval_only_arrays(self.model, server_round)
             )
+            eval_runtime = "onnxruntime" if a.kind == "none" and len(arrays) else ""
+            config = self._instruction(a, server_round, facts, eval_runtime)
             instructions[node_id] = (arrays, config)
             log.info(
                 "round %d: node %s (budget %s) gets %s, %d steps",
@@ -224,9 +232,7 @@ class Federation:
         if changed and cfg.dp_clipping_norm > 0:
             counts = privacy.expected_counts(
                 (
-                    None
-                    if a.window is None
-                    else frozenset(self.assigner.expected_keys(self.model, a.window))
+                    self._expected_keys(a)
                     for a in assignments.values()
                     if a.kind != "none"
                 ),
@@ -292,17 +298,14 @@ class Federation:
         return record
 
     def _instruction(
-        self, a: Assignment, server_round: int, facts: dict[str, Any]
+        self,
+        a: Assignment,
+        server_round: int,
+        facts: NodeFacts,
+        eval_runtime: str = "",
     ) -> ConfigRecord:
         cfg = self.cfg
-        measure = cfg.client_measure
-        if measure == "auto" and facts.get(protocol.BUDGET_SOURCE):
-            # a node given its budget (node config or fleet) is measured in a child;
-            # one that measured its own budget trains inline
-            measure = (
-                "inline" if facts[protocol.BUDGET_SOURCE] == "measured" else "child"
-            )
-        ins = protocol.TrainInstruction(
+        ins = TrainInstruction(
             server_round=server_round,
             workload=cfg.workload,
             local_steps=a.local_steps,
@@ -317,9 +320,10 @@ class Federation:
             plan=a.plan.to_json() if a.plan is not None else "",
             window_start=a.window[0] if a.window else 0,
             window_stop=a.window[1] if a.window else 0,
-            measure=measure,
+            measure=resolve_measure(cfg.client_measure, facts.budget_source),
             min_budget_bytes=a.min_budget_bytes,
             reason=a.reason,
+            eval_runtime=eval_runtime,
         )
         config = ConfigRecord(dict(ins.to_config()))
         if cfg.dp_clipping_norm > 0:  # nodes clip too (client.app's clipping_mod)
@@ -332,7 +336,7 @@ class Federation:
         report = report or {"status": "no reply"}
         return {
             "node_id": node_id,
-            "partition_id": self.nodes.get(node_id, {}).get(protocol.PARTITION_ID),
+            "partition_id": self.nodes.get(node_id, NodeFacts()).partition_id,
             "budget_bytes": a.budget_bytes,
             "disk_budget_bytes": a.disk_budget_bytes,
             "kind": a.kind,
@@ -369,55 +373,50 @@ class Federation:
                 log.warning("node %s failed: %s", node_id, reply.error.reason)
                 continue
             content = reply.content
-            report = dict(content.config_records.get(protocol.REPORT, {}))
             try:
-                metrics = _one(content.metric_records, protocol.METRICS, "MetricRecord")
-                rec = {
-                    "measured_peak_bytes": _opt_int(metrics.get(protocol.PEAK_BYTES)),
-                    "message_bytes": _opt_int(metrics.get(protocol.MESSAGE_BYTES)),
-                    "train_s": metrics.get(protocol.TRAIN_S),
-                    "num_examples": _opt_int(metrics.get(protocol.NUM_EXAMPLES)),
-                    "peak_method": report.get("peak-method"),
+                got = TrainReply.from_content(content, kind=a.kind)
+                rec: dict[str, Any] = {
+                    "measured_peak_bytes": got.peak_bytes,
+                    "message_bytes": got.message_bytes,
+                    "train_s": got.train_s,
+                    "num_examples": got.num_examples,
+                    "peak_method": got.peak_method,
                     "status": "ok",
                 }
                 reports[node_id] = rec
                 if a.kind == "none":
                     rec["status"] = "none"
-                    rec.update(self.onnx.eval_report(metrics, report))
+                    rec.update(self.onnx.eval_report(got.eval))
                     continue
-                arrays = _one(content.array_records, protocol.ARRAYS, "ArrayRecord")
+                arrays = TrainReply.arrays(content)
                 if rec["message_bytes"] is None:  # a plain client: what was sent
                     rec["message_bytes"] = sum(len(x.data) for x in arrays.values())
                 state = arrays.to_torch_state_dict()
-                num = _as_int(metrics[protocol.NUM_EXAMPLES])
-                loss = metrics.get(protocol.TRAIN_LOSS)
-                if loss is not None and (
-                    isinstance(loss, bool) or not isinstance(loss, int | float)
-                ):
-                    raise TypeError(f"train-loss {str(loss)[:40]} is not a number")
-                pid = _as_int(
-                    metrics.get(
-                        protocol.PARTITION_ID,
-                        self.nodes.get(node_id, {}).get(protocol.PARTITION_ID, -1),
-                    )
-                )
-            except (KeyError, TypeError, ValueError) as e:
+            except (MalformedReply, KeyError, TypeError, ValueError) as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
                 reports[node_id] = {"status": f"malformed: {e}"}
                 log.warning("node %s sent a malformed reply: %s", node_id, e)
                 continue
-            expected = (
-                None
-                if a.window is None
-                else frozenset(self.assigner.expected_keys(self.model, a.window))
+            pid = got.partition_id
+            if pid is None:
+                pid = self.nodes.get(node_id, NodeFacts()).partition_id
+            num, loss = got.num_examples or 0, got.train_loss
+            expected = self._expected_keys(a)
+            updates.append(
+                Update(-1 if pid is None else pid, node_id, num, state, expected)
             )
-            updates.append(Update(pid, node_id, num, state, expected))
             if loss is not None and math.isfinite(loss):  # a NaN loss is not averaged
                 losses.append(float(loss))
         for node_id in assignments:
             if node_id not in reports:
                 errors.append(f"node {node_id}: no reply within the round's deadline")
         return updates, losses, errors, reports
+
+    def _expected_keys(self, a: Assignment) -> frozenset[str] | None:
+        """The keys a reply to ``a`` must carry (None: every key of the model)."""
+        if a.window is None:
+            return None
+        return frozenset(trained_keys(self.model, a.window, self.assigner.blocks))
 
     def _save(self, server_round: int) -> None:
         state = self.model.state_dict()
@@ -435,36 +434,9 @@ class Federation:
         strategy = {
             "next_round": server_round + 1,
             "nodes_by_partition": {
-                str(f.get(protocol.PARTITION_ID)): f
+                str(f.partition_id): f.to_record()
                 for f in self.nodes.values()
-                if protocol.PARTITION_ID in f
+                if f.partition_id is not None
             },
         }
         persist.save_state(self.out, server_round, state, self.summary, strategy)
-
-
-def _one(records: Any, key: str, what: str) -> Any:
-    """The record under ``key``, or the only record of its kind (a plain client may
-    name it otherwise)."""
-    if key in records:
-        return records[key]
-    if len(records) == 1:
-        return next(iter(records.values()))
-    raise KeyError(f"no {what} {key!r} in the reply")
-
-
-def _opt_int(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value)
-
-
-def _as_int(value: Any) -> int:
-    """An integer metric from the wire; lists and non-integral values are malformed."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or value != int(value)
-    ):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return int(value)

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from onnxrun.evaluate import evaluate_arrays, make_session
-from server import protocol
 from server.config import ServerConfig
 from server.export import (
     ONNX_FILE,
@@ -36,15 +35,17 @@ from server.export import (
     export_onnx,
 )
 from server.persist import atomic_write_bytes
+from wire import keys
+from wire.reply import EvalResult
 from workloads import Workload
 
 log = logging.getLogger(__name__)
 
-EVAL_FIELDS = {  # reply metric -> assignment record key
-    protocol.EVAL_ACCURACY: "eval_accuracy",
-    protocol.EVAL_LOSS: "eval_loss",
-    protocol.EVAL_NUM_EXAMPLES: "eval_num_examples",
-    protocol.EVAL_S: "eval_s",
+EVAL_FIELDS = {  # EvalResult field -> assignment record key
+    "accuracy": "eval_accuracy",
+    "loss": "eval_loss",
+    "num_examples": "eval_num_examples",
+    "eval_s": "eval_s",
 }
 
 
@@ -77,11 +78,9 @@ class OnnxRounds:
         return {k: float(v) for k, v in m.items() if k != "num_examples"}
 
     # ------------------------------------------------------------ eval-only nodes
-    def eval_only_arrays(
-        self, model: nn.Module, server_round: int, config: ConfigRecord
-    ) -> ArrayRecord:
+    def eval_only_arrays(self, model: nn.Module, server_round: int) -> ArrayRecord:
         """The arrays of a ``none`` node's instruction: the round's model as ONNX
-        bytes when evaluation-only work is on (marking ``config``), else none."""
+        bytes when evaluation-only work is on, else none (empty)."""
         if (
             self.cfg.eval_only == "off"
             or self.cfg.strategy == "exclude"  # the status quo: excluded nodes idle
@@ -93,7 +92,6 @@ class OnnxRounds:
         record = self._round_model[1]
         if record is None:
             return ArrayRecord()
-        config["eval-runtime"] = "onnxruntime"
         return record
 
     def _onnx_record(self, model: nn.Module) -> ArrayRecord | None:
@@ -106,18 +104,22 @@ class OnnxRounds:
                 log.warning("evaluation-only nodes get no model: %s", e)
                 return None
             data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-        return ArrayRecord({protocol.ONNX_MODEL: Array(data)})
+        return ArrayRecord({keys.ONNX_MODEL: Array(data)})
 
     @staticmethod
-    def eval_report(metrics: Any, report: dict[str, Any]) -> dict[str, Any]:
+    def eval_report(result: EvalResult | None) -> dict[str, Any]:
         """The evaluation entries of a ``none`` node's assignment record."""
+        if result is None:
+            return {}
         out: dict[str, Any] = {
-            key: metrics[name] for name, key in EVAL_FIELDS.items() if name in metrics
+            key: getattr(result, name)
+            for name, key in EVAL_FIELDS.items()
+            if getattr(result, name) is not None
         }
         if out:
-            out["eval_runtime"] = str(report.get("eval-runtime", "onnxruntime"))
-        if "eval-error" in report:
-            out["eval_error"] = str(report["eval-error"])
+            out["eval_runtime"] = result.runtime or "onnxruntime"
+        if result.error:
+            out["eval_error"] = result.error
         return out
 
     @staticmethod
@@ -137,7 +139,7 @@ class OnnxRounds:
             }
             a.update(extra)
             n = extra.get("eval_num_examples")
-            if n:
+            if n and "eval_loss" in extra and "eval_accuracy" in extra:
                 nodes += 1
                 total += n
                 loss += extra["eval_loss"] * n

@@ -12,8 +12,8 @@ from flwr.app import (
 )
 
 from client.app import app
-from server.protocol import TrainInstruction
 from tests import fakes  # noqa: F401  (sets Flower's task identity)
+from wire.instruction import TrainInstruction
 from workloads import get_workload
 
 

@@ -29,9 +29,9 @@ from client.config import (
     allowed_workloads,
     check_workload_allowed,
 )
-from server.protocol import TrainInstruction
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, federate, nodes
+from wire.instruction import TrainInstruction
 
 JOB = textwrap.dedent(
     """

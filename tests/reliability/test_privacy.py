@@ -38,11 +38,13 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import compute_stdv
 
 import client.app as ca
-from server import privacy, protocol
+from server import privacy
 from server.aggregate import Update
 from server.persist import load_model
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, digits_mins, federate, nodes
+from wire import keys as wire_keys
+from wire.instruction import TrainInstruction
 from workloads import get_workload
 
 
@@ -144,8 +146,8 @@ def train_message(model, config):
     msg = Message(
         RecordDict(
             {
-                protocol.ARRAYS: ArrayRecord(model.state_dict()),
-                protocol.CONFIG: ConfigRecord(config),
+                wire_keys.ARRAYS: ArrayRecord(model.state_dict()),
+                wire_keys.CONFIG: ConfigRecord(config),
             }
         ),
         2000,
@@ -188,7 +190,7 @@ def test_clipping_mod_equals_flowers_fixedclipping_mod_on_a_full_update():
 
 def test_clipping_mod_clips_a_part_window_that_flowers_mod_refuses():
     model = get_workload("digits-cnn").make_model(0)
-    ins = protocol.TrainInstruction(
+    ins = TrainInstruction(
         kind="part", window_start=1, window_stop=2, local_steps=3, measure="inline"
     ).to_config()
     config = {**ins, privacy.KEY_CLIPPING_NORM: 0.01}

@@ -25,8 +25,8 @@ from client.app import app as client_app
 from client.config import NodeConfig, free_disk_bytes, total_memory_bytes
 from memory.blocks import as_blocks
 from memory.spec import BlockPlan, MemoryPlan
-from server import protocol
 from tests.server.grid import FakeGrid
+from wire.instruction import TrainInstruction
 from workloads import get_workload
 
 BASE = {"partition-id": 0, "num-partitions": 2}
@@ -80,7 +80,7 @@ def read_only_dir(tmp_path):
 
 def _train_message(plan: MemoryPlan) -> Message:
     wl = get_workload("digits-cnn")
-    ins = protocol.TrainInstruction(
+    ins = TrainInstruction(
         local_steps=2,
         kind="full",
         plan=json.dumps(plan.to_dict()),

@@ -2,7 +2,9 @@
 
 import pytest
 
-from server.assign import Assigner, part_profile, trained_keys
+from server.assign import Assigner, part_profile
+from wire.facts import NodeFacts
+from wire.windows import trained_keys
 from workloads import get_workload
 
 MiB = 2**20
@@ -24,7 +26,7 @@ def facts(budget, disk=0, flops=None):
     f = {"budget-bytes": budget, "disk-budget-bytes": disk}
     if flops is not None:
         f["flops-per-s"] = flops
-    return f
+    return NodeFacts.from_record(f)
 
 
 def test_full_part_none_follow_the_budget(assigner):
@@ -44,7 +46,7 @@ def test_full_part_none_follow_the_budget(assigner):
 
 
 def test_a_plain_client_gets_the_whole_model(assigner):
-    a = assigner.assign({}, 1)
+    a = assigner.assign(NodeFacts(), 1)
     assert a.kind == "full" and a.plan is None and a.budget_bytes is None
 
 

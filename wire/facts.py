@@ -1,0 +1,93 @@
+"""What a node says of itself (the query reply), and the fleet description.
+
+The node writes its facts with ``NodeFacts.to_record``; the server reads any reply with
+``NodeFacts.from_record``, which never raises: a fact that is missing or of the wrong
+type (an old or a misbehaving node) is ``None``, and the server treats the node as it
+treats one that did not answer (plain training of the whole model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from wire import keys
+from wire.flat import split_list
+
+BUDGET_SOURCES = ("node-config", "fleet", "measured")
+
+_KEY = {
+    "partition_id": keys.PARTITION_ID,
+    "num_partitions": keys.NUM_PARTITIONS,
+    "budget_bytes": keys.BUDGET_BYTES,
+    "disk_budget_bytes": keys.DISK_BUDGET_BYTES,
+    "budget_source": keys.BUDGET_SOURCE,
+    "total_memory_bytes": keys.TOTAL_MEMORY_BYTES,
+    "available_memory_bytes": keys.AVAILABLE_MEMORY_BYTES,
+    "free_disk_bytes": keys.FREE_DISK_BYTES,
+    "flops_per_s": keys.FLOPS_PER_S,
+    "num_cpus": keys.NUM_CPUS,
+}
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """A node's facts; ``None`` where the node did not say (or said nonsense)."""
+
+    partition_id: int | None = None  # its share of the data
+    num_partitions: int | None = None
+    budget_bytes: int | None = None  # memory its training may use, bytes
+    disk_budget_bytes: int | None = None  # disk for offload and streaming, bytes
+    budget_source: str | None = None  # node-config | fleet | measured
+    total_memory_bytes: int | None = None
+    available_memory_bytes: int | None = None
+    free_disk_bytes: int | None = None
+    flops_per_s: float | None = None  # measured fp32 matmul rate x fleet speed
+    num_cpus: int | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        """The facts as ConfigRecord values (facts not known are left out)."""
+        return {
+            _KEY[f.name]: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> NodeFacts:
+        """Read a query reply's ``node`` record; what is not valid is ``None``."""
+        values: dict[str, Any] = {}
+        for name, key in _KEY.items():
+            value: Any = record.get(key)
+            if name == "budget_source":
+                values[name] = value if value in BUDGET_SOURCES else None
+            elif name == "flops_per_s":
+                ok = _number(value) and value > 0
+                values[name] = float(value) if ok else None
+            else:
+                values[name] = int(value) if _number(value) else None
+        return cls(**values)
+
+    @property
+    def answered(self) -> bool:
+        """Whether the node gave fleetfit a budget (else it is a plain client)."""
+        return self.budget_bytes is not None
+
+
+def _number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value == value  # not NaN
+        and abs(value) != float("inf")
+    )
+
+
+def fleet_entry(spec: Any, partition_id: int) -> str | None:
+    """Entry ``partition_id`` (modulo the count) of a comma-separated fleet list
+    (``fleet-memory-budgets`` and the like); None where the list is empty."""
+    if spec is None:
+        return None
+    items = split_list(str(spec))
+    return items[partition_id % len(items)] if items else None

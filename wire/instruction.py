@@ -1,0 +1,110 @@
+"""What a client is asked to do in one round, and how its peak is measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from wire.flat import from_flat, to_flat
+
+KINDS = ("full", "part", "none")
+MEASURES = ("auto", "child", "inline")
+EVAL_RUNTIMES = ("", "onnxruntime")
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    """What a client is asked to do in one round (sent as the ``config`` record).
+
+    Every field has a default, so a stock strategy's config (Flower's FedAvg sends only
+    ``server-round``) is a valid instruction: plain training of the whole model.
+    """
+
+    server_round: int = 1  # 1-based round number
+    workload: str = "digits-cnn"  # built-in name or module:function
+    local_steps: int = 20  # optimizer steps on local data
+    lr: float = 0.003  # AdamW learning rate
+    seed: int = 0  # run seed; batch order from (seed, round, partition)
+    split: str = "iid"  # iid | dirichlet | natural
+    dirichlet_alpha: float = 0.5
+    classes: str = ""  # natural split by device class: class index of every partition
+    batch_size: int = 0  # 0: the workload's default
+    seq_len: int = 0  # 0: the workload's default (language models)
+    kind: str = "full"  # full | part | none
+    plan: str = ""  # MemoryPlan JSON of the trained chain ("": plain training)
+    window_start: int = 0  # part: first trained block (index into the model's blocks)
+    window_stop: int = 0  # part: one past the last trained block before the head
+    measure: str = "auto"  # child: a measured child process; inline; auto: child
+    #   when the node was given a budget, inline when it measured its own
+    min_budget_bytes: int = 0  # none: the smallest budget that would get a part
+    reason: str = ""  # none: why, in words
+    eval_runtime: str = ""  # none: "onnxruntime": evaluate the ONNX model sent in
+    #   arrays[ONNX_MODEL] on the node's data, in a torch-free process
+
+    def to_config(self) -> dict[str, Any]:
+        return to_flat(self)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The trained window of a ``part`` assignment (None: the whole model)."""
+        return (self.window_start, self.window_stop) if self.kind == "part" else None
+
+    @property
+    def class_list(self) -> tuple[int, ...] | None:
+        """``classes`` as integers (None: the split ignores device classes)."""
+        return parse_classes(self.classes, what="train instruction classes")
+
+    @classmethod
+    def from_config(cls, config: dict) -> TrainInstruction:
+        """Parse a ``config`` record; missing keys take the defaults above."""
+        ins = from_flat(cls, config, what="train instruction")
+        if ins.kind not in KINDS:
+            raise ValueError(f"train instruction kind={ins.kind!r}: one of {KINDS}")
+        if ins.eval_runtime not in EVAL_RUNTIMES:
+            raise ValueError(
+                f"train instruction eval-runtime={ins.eval_runtime!r}: '' or onnxruntime"
+            )
+        if ins.measure not in MEASURES:
+            raise ValueError(
+                f"train instruction measure={ins.measure!r}: one of {MEASURES}"
+            )
+        return ins
+
+
+def parse_classes(spec: str, *, what: str) -> tuple[int, ...] | None:
+    """A comma-separated list of device class indices (None where empty).
+
+    Raises:
+        ValueError: an entry that is not an integer, naming ``what``.
+    """
+    if not spec.strip():
+        return None
+    try:
+        return tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(
+            f"{what}={spec[:80]!r} must be comma-separated integers"
+        ) from None
+
+
+def resolve_measure(requested: str, budget_source: str | None) -> str:
+    """How a node's peak is measured: ``requested`` unless it is ``auto``.
+
+    ``auto``: a node given its budget (node config or fleet) is measured in a child
+    process, one that measured its own budget trains inline; with its budget source
+    unknown (a node that did not answer the query), ``auto`` stays for the node to
+    resolve with its own facts.
+    """
+    if requested != "auto" or not budget_source:
+        return requested
+    return "inline" if budget_source == "measured" else "child"
+
+
+__all__ = [
+    "EVAL_RUNTIMES",
+    "KINDS",
+    "MEASURES",
+    "TrainInstruction",
+    "parse_classes",
+    "resolve_measure",
+]
