@@ -277,7 +277,7 @@ def test_row_streamed_heads_and_lookups_are_bit_for_bit(
     import memory.head
     from memory.store import BlockStore
 
-    monkeypatch.setattr(memory.head, "HEAD_BLOCK_BYTES", 4096)  # several blocks
+    monkeypatch.setattr(memory.head, "HEAD_BLOCK_BYTES", 2**16)  # 128 blocks of 64 rows
     calls = {"rows": 0, "sparse": 0}
     for fn, key in (("load_rows", "rows"), ("accumulate_sparse", "sparse")):
         orig = getattr(BlockStore, fn)
