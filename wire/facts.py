@@ -69,11 +69,6 @@ class NodeFacts:
                 values[name] = int(value) if _number(value) else None
         return cls(**values)
 
-    @property
-    def answered(self) -> bool:
-        """Whether the node gave fleetfit a budget (else it is a plain client)."""
-        return self.budget_bytes is not None
-
 
 def _number(value: Any) -> bool:
     return (

@@ -7,7 +7,7 @@ a ``report`` ConfigRecord to replies (the assignment that ran, how the peak was
 measured), which stock strategies ignore.
 
 Queries: the server's QUERY carries the fleet description (``FLEET_KEYS``) in
-``config``; the reply's ``node`` ConfigRecord holds the node's facts (``FACT_KEYS``).
+``config``; the reply's ``node`` ConfigRecord holds the node's facts (``wire.facts.NodeFacts``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ REASON = "reason"  # none: why nothing fits, in words
 EVAL_RUNTIME = "eval-runtime"  # none: the runtime that evaluated (onnxruntime)
 EVAL_ERROR = "eval-error"  # none: why the evaluation failed
 
-# node facts (query reply)
+# node facts (query reply; wire.facts.NodeFacts reads and writes them)
 BUDGET_BYTES = "budget-bytes"
 DISK_BUDGET_BYTES = "disk-budget-bytes"
 BUDGET_SOURCE = "budget-source"  # node-config | fleet | measured
@@ -55,19 +55,6 @@ AVAILABLE_MEMORY_BYTES = "available-memory-bytes"
 FREE_DISK_BYTES = "free-disk-bytes"
 FLOPS_PER_S = "flops-per-s"  # measured fp32 matmul rate (times the fleet speed)
 NUM_CPUS = "num-cpus"
-
-FACT_KEYS = (
-    PARTITION_ID,
-    NUM_PARTITIONS,
-    BUDGET_BYTES,
-    DISK_BUDGET_BYTES,
-    BUDGET_SOURCE,
-    TOTAL_MEMORY_BYTES,
-    AVAILABLE_MEMORY_BYTES,
-    FREE_DISK_BYTES,
-    FLOPS_PER_S,
-    NUM_CPUS,
-)
 
 # the fleet description (run config, and the server's query to nodes that have none)
 FLEET_MEMORY = "fleet-memory-budgets"  # comma-separated sizes by partition id

@@ -146,7 +146,7 @@ def test_an_evaluate_reply_reads_back_and_refuses_what_is_missing():
 def test_node_facts_read_back_and_nonsense_is_none():
     facts = NodeFacts(0, 4, 2**28, 0, "fleet", 2**34, 2**33, 2**35, 1e9, 2)
     assert NodeFacts.from_record(facts.to_record()) == facts
-    assert NodeFacts.from_record({}) == NodeFacts() and not NodeFacts().answered
+    assert NodeFacts.from_record({}) == NodeFacts() and NodeFacts().budget_bytes is None
     crafted = {
         keys.PARTITION_ID: "0",
         keys.BUDGET_BYTES: math.nan,
