@@ -22,8 +22,9 @@ import time
 
 import torch
 
+from memory.cost import predict
 from memory.errors import BudgetError, MeasurementError
-from memory.plan import plan_memory, predict
+from memory.plan import plan_memory
 from memory.profile import loading_from_file
 from memory.sizes import format_bytes, parse_bytes
 from memory.spec import BlockPlan, MemoryPlan

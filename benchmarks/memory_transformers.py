@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from memory.cost import predict  # noqa: E402
 from memory.errors import BudgetError, MeasurementError  # noqa: E402
 from memory.measure import measure_in_child  # noqa: E402
 from memory.overhead import workload_runtime_bytes  # noqa: E402
-from memory.plan import predict  # noqa: E402
 from memory.sizes import format_bytes, parse_bytes  # noqa: E402
 from memory.spec import MemoryPlan  # noqa: E402
 from memory.unit_profile import plan_units, unit_profiles  # noqa: E402

@@ -145,7 +145,8 @@ def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memory.plan import min_budget_bytes, plan_memory, predict
+    from memory.cost import predict
+    from memory.plan import min_budget_bytes, plan_memory
     from memory.profile import is_batch_dependent, loading_from_file
     from memory.sizes import format_bytes, parse_bytes
     from memory.spec import MemoryPlan

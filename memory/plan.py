@@ -32,442 +32,33 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from memory.cost import (
+    AS_PLAN,
+    CHAIN_OPTIONS,
+    INPUTS_TO_DISK,
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    STREAM,
+    CostModel,
+    Prediction,
+    predict_choices,
+    slack,
+    unslack,
+)
 from memory.errors import BudgetError, MemoryPlanError
-from memory.profile import BlockCosts, BlockProfile, DiskBandwidth, Profile
+from memory.profile import BlockProfile, Profile
 from memory.sizes import format_bytes
-from memory.spec import Activations, BlockPlan, MemoryPlan, State
+from memory.spec import BlockPlan, MemoryPlan
 
 logger = logging.getLogger(__name__)
 
-KEEP, RECOMPUTE, OFFLOAD, STREAM, INPUTS_TO_DISK = "K", "R", "O", "S", "D"
-OPTIONS = (KEEP, RECOMPUTE, OFFLOAD, STREAM, INPUTS_TO_DISK)
-CHAIN_OPTIONS = (KEEP, RECOMPUTE, OFFLOAD, STREAM)
-"""What a block allows when its profile names no options (the chain executor's)."""
-_AS_PLAN: dict[str, tuple[Activations, State, bool]] = {
-    KEEP: ("keep", "resident", False),
-    RECOMPUTE: ("recompute", "resident", False),
-    OFFLOAD: ("offload", "resident", False),
-    STREAM: ("recompute", "stream", False),
-    INPUTS_TO_DISK: ("recompute", "resident", True),  # recompute, inputs on disk
-}
-
 DEFAULT_DISK_SHARE = 0.5
 """Default disk budget: this share of the free space in the offload directory."""
-
-ALLOCATOR_SLACK_FRACTION = 0.07
-"""Allocator and bookkeeping overhead on top of the modelled bytes (fraction). At 0.03
-the transformers ViT's plan at a third of its plain peak was predicted within 0.01% of
-its measured peak and the run-time guard stopped it 0.1 MiB over the budget (a
-plan fills its budget). At 0.05, with the runtime measured per workload
-(``memory.overhead.workload_runtime_bytes``), the test suite's transformers plans were
-predicted 0.97-1.07x their measured peaks, and two plans that filled their budgets
-crossed them by 0.1-0.2% (T5 at a third of plain's peak: 151.97 MiB measured, 151.19
-predicted, budget 151.81; GPT-2 at a third: 139.37 measured, budget 139.18): 0.07
-moves every prediction up by 2%."""
-
-ALLOCATOR_SLACK_BYTES = 4 * 2**20
-"""... plus this many bytes (interpreter objects, small allocations, page rounding)."""
-
-STREAM_CHUNK_BYTES = 16 * 2**20
-"""The store maps a streamed tensor's AdamW state in chunks of at most this size."""
-
-
-STREAM_UPDATE_CHUNKS = 5
-"""Chunk-sized buffers alive at the peak of a streamed tensor's AdamW update: its
-``exp_avg`` and ``exp_avg_sq`` mapped and the functional AdamW's temporaries (measured
-with resident-set figures on a streamed transformers head: 40 MiB for one 8 MiB
-tensor)."""
-
-
-def stream_update_bytes(max_tensor_bytes: int) -> int:
-    """Working set of a streamed block's AdamW update: ``STREAM_UPDATE_CHUNKS``
-    chunks of its largest tensor (a chunk is at most ``STREAM_CHUNK_BYTES``)."""
-    return STREAM_UPDATE_CHUNKS * min(STREAM_CHUNK_BYTES, max_tensor_bytes)
-
-
-_DEFAULT_DISK = DiskBandwidth("", 200e6, 200e6)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What ``predict`` says about one plan.
-
-    Attributes:
-        peak_bytes: predicted peak above the import baseline, slack included.
-        step_s: predicted time of one step.
-        disk_bytes: bytes on disk at once (offloaded activations, streamed state).
-        peak_event: the event that sets the peak, in words.
-        breakdown: that event's bytes by component.
-    """
-
-    peak_bytes: int
-    step_s: float
-    disk_bytes: int
-    peak_event: str
-    breakdown: dict[str, int] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- the model
-class _Model:
-    """Per-block numbers for one (micro-batches, loss chunks) setting."""
-
-    def __init__(self, profile: Profile, m: int, c: int) -> None:
-        self.profile = profile
-        self.m, self.c = m, c
-        blocks = profile.blocks
-        self.n = len(blocks)
-        self.costs: list[BlockCosts] = [b.costs[m] for b in blocks]
-        if c > 1:
-            self.chunk = blocks[-1].chunk_costs[(m, c)]
-        self.base = (
-            profile.batch_bytes
-            + sum(b.buffer_bytes for b in blocks)
-            + profile.runtime_bytes
-        )
-        self.opt_temp = self.optimizer_temp([False] * self.n)
-        # A resident block's gradients while they are alive. A unit that borrows a
-        # tied parameter (a head tied to the embedding) holds that parameter's
-        # gradient too: autograd keeps it in the shared leaf's buffer from the
-        # borrower's backward until the owner's (the unit path; a borrower is
-        # resident only with a resident owner).
-        self.grads = [
-            b.grad_bytes + (b.shared_param_bytes if profile.update_by_chunks else 0)
-            for b in blocks
-        ]
-        names = [b.name for b in blocks]
-        self.owner_of = [
-            [names.index(o) for o in b.shared_with if o in names] for b in blocks
-        ]
-        self.lenders = {o for owners in self.owner_of for o in owners}
-        bw = profile.disk or _DEFAULT_DISK
-        self.read_s = 1.0 / bw.read_bytes_per_s
-        self.write_s = 1.0 / bw.write_bytes_per_s
-
-    def optimizer_temp(self, streamed: Sequence[bool]) -> int:
-        """AdamW's per-tensor temporaries (sqrt, divide) in the optimizer step of
-        the blocks not ``streamed`` (a streamed block updates in its backward, a
-        chunk at a time)."""
-        return 2 * max(
-            (
-                b.max_param_tensor_bytes
-                for b, s in zip(self.profile.blocks, streamed, strict=True)
-                if not s
-            ),
-            default=0,
-        )
-
-    def options(self, k: int) -> tuple[str, ...]:
-        allowed = self.profile.blocks[k].options or CHAIN_OPTIONS
-        if self.c > 1 and k == self.n - 1:
-            # the chunked head always reruns per chunk
-            return tuple(o for o in (RECOMPUTE, STREAM) if o in allowed)
-        return tuple(o for o in OPTIONS if o in allowed)
-
-    def held_boundary(self, i: int, prev: str, cur: str) -> int:
-        """Bytes of block i's input kept from its forward to the backward."""
-        if i == 0:
-            return 0  # the batch, in base
-        a, b = self.costs[i - 1], self.costs[i]
-        if cur == INPUTS_TO_DISK:  # on disk, unless the previous block keeps it
-            return b.input_bytes if prev in (KEEP, OFFLOAD) and a.saves_output else 0
-        if cur in (RECOMPUTE, STREAM):
-            return b.input_bytes
-        if prev in (KEEP, OFFLOAD) and a.saves_output:
-            return b.input_bytes
-        if cur in (KEEP, OFFLOAD) and b.saves_input:
-            return b.input_bytes
-        return 0
-
-    def kept(self, k: int, cur: str) -> int:
-        return self.costs[k].saved_bytes if cur == KEEP else 0
-
-    def shared_load(self, k: int, streamed: Sequence[bool]) -> int:
-        b = self.profile.blocks[k]
-        if not b.shared_param_bytes:
-            return 0
-        return b.shared_param_bytes if any(streamed[o] for o in self.owner_of[k]) else 0
-
-    def forward_local(self, k: int, cur: str, shared: int) -> int:
-        """Forward event of block k beyond the kept prefix and resident state."""
-        c = self.costs[k]
-        if self.c > 1 and k == self.n - 1:
-            local = self.chunk.forward_no_grad_peak_bytes
-        else:
-            local = (
-                c.forward_peak_bytes
-                if cur in (KEEP, OFFLOAD)
-                else c.forward_no_grad_peak_bytes
-            )
-        b = self.profile.blocks[k]
-        own, lent = self.rows(k, cur, shared)
-        stream = b.param_bytes - own if cur == STREAM else 0
-        rows = c.row_load_bytes if own or lent else 0
-        return (c.input_bytes if k > 0 else 0) + local + stream + rows + shared - lent
-
-    def rows(self, k: int, cur: str, shared: int) -> tuple[int, int]:
-        """Bytes of block k's own and borrowed parameters streamed by rows in this
-        setting (``memory.streaming``): its own when it is streamed, a borrowed one
-        when its owner is (``shared`` > 0)."""
-        b = self.profile.blocks[k]
-        return (b.row_param_bytes if cur == STREAM else 0), (
-            b.row_shared_bytes if shared else 0
-        )
-
-    def backward_peak(self, k: int, cur: str, shared: int) -> int:
-        """Block k's ``backward_peak_bytes``, its row-streamed parameters' dense
-        gradients replaced by their row pieces when they are streamed by rows."""
-        c = self.costs[k]
-        own, lent = self.rows(k, cur, shared)
-        if not (own or lent):
-            return c.backward_peak_bytes
-        dense = min(c.backward_peak_bytes, c.row_dense_grad_bytes)
-        return c.backward_peak_bytes - dense + c.row_load_bytes + c.row_grad_bytes
-
-    def backward_local(self, k: int, cur: str, shared: int) -> int:
-        """Backward event of block k beyond the kept prefix (itself included)."""
-        c = self.costs[k]
-        b = self.profile.blocks[k]
-        last = k == self.n - 1
-        grad_out = 0 if last else c.output_bytes
-        own_out = (
-            c.output_bytes
-            if (cur in (KEEP, OFFLOAD) and c.saves_output and not last)
-            else 0
-        )
-        own, lent = self.rows(k, cur, shared)
-        peak = self.backward_peak(k, cur, shared)
-        # the chain executor adds a micro-batch's gradients to the whole mapped
-        # accumulator; the unit path adds them a chunk at a time after unmapping the
-        # parameters (inside ``update`` below)
-        acc = (
-            b.grad_bytes - own
-            if self.m > 1 and cur == STREAM and not self.profile.update_by_chunks
-            else 0
-        )
-        if self.c > 1 and last:
-            ch = self.chunk
-            rerun = max(
-                ch.forward_peak_bytes,
-                ch.saved_bytes
-                + ch.saves_output * ch.output_bytes
-                + ch.backward_peak_bytes,
-            )
-            # The input gradient is assembled whole and the head's gradients
-            # accumulate, a borrowed (tied) one included; from the second chunk on,
-            # autograd computes each chunk's parameter gradients into fresh tensors
-            # before adding them, so one more copy of them is alive.
-            borrowed_grad = b.shared_param_bytes if shared else 0
-            temp = b.grad_bytes + b.shared_param_bytes
-            local = c.input_bytes + rerun + b.grad_bytes + borrowed_grad + temp
-        elif cur == KEEP:
-            local = c.backward_peak_bytes
-        elif cur == OFFLOAD:
-            local = c.saved_bytes + c.backward_peak_bytes
-        else:
-            local = max(
-                c.forward_peak_bytes,
-                c.saved_bytes + c.saves_output * c.output_bytes + peak,
-            )
-            if cur == INPUTS_TO_DISK:
-                local += c.input_bytes  # read back for the rerun
-        if cur == STREAM:
-            # the update maps the store's accumulated gradients too, when there are
-            # any (micro-batches, a tied parameter's other uses)
-            stored = b.grad_bytes if (self.m > 1 or k in self.lenders or own) else 0
-            work = stream_update_bytes(b.max_param_tensor_bytes)
-            # row-streamed gradients are in the store by now
-            held = b.grad_bytes - own
-            params = b.param_bytes - own
-            if self.profile.update_by_chunks:
-                # parameters unmapped first, then mapped a chunk at a time with the
-                # state (inside ``work``) and, when there are any, the stored gradients
-                chunk = min(STREAM_CHUNK_BYTES, b.max_param_tensor_bytes)
-                update = held + c.input_bytes + work + chunk * (stored > 0)
-                local = max(params + local + acc, update)
-            else:
-                update = held + stored + c.input_bytes + work
-                local = params + max(local + acc, update)
-        return grad_out + own_out + local + shared - lent
-
-    def tied_grad(self, k: int) -> int:
-        """The borrowed (tied) gradient in ``grads[k]``: alive in autograd's buffer
-        whenever the owner is resident, whatever block k does."""
-        return self.grads[k] - self.profile.blocks[k].grad_bytes
-
-    def held_grad(self, k: int, streamed: Sequence[bool]) -> int:
-        """Gradient bytes block k keeps in memory in this plan."""
-        if not streamed[k]:
-            return self.grads[k]
-        return self.tied_grad(k) if not self.shared_load(k, streamed) else 0
-
-    def resident_po(self, k: int) -> int:
-        b = self.profile.blocks[k]
-        return b.param_bytes + b.optimizer_state_bytes
-
-    def resident_all(self, k: int) -> int:
-        return self.resident_po(k) + self.grads[k]
-
-    def disk(self, k: int, cur: str) -> int:
-        b, c = self.profile.blocks[k], self.costs[k]
-        if cur == OFFLOAD:
-            return c.saved_bytes
-        if cur == INPUTS_TO_DISK:
-            return c.input_bytes
-        if cur == STREAM:
-            grads = (
-                b.grad_bytes
-                if (self.m > 1 or b.shared_param_bytes or b.row_param_bytes)
-                else 0
-            )
-            return b.param_bytes + b.optimizer_state_bytes + grads
-        return 0
-
-    def time(self, k: int, cur: str) -> float:
-        c, b, m = self.costs[k], self.profile.blocks[k], self.m
-        if self.c > 1 and k == self.n - 1:
-            ch = self.chunk
-            t = m * self.c * (ch.forward_s * 2 + ch.backward_s)
-        elif cur == KEEP:
-            t = m * (c.forward_s + c.backward_s)
-        elif cur == OFFLOAD:
-            t = m * (
-                c.forward_s
-                + c.backward_s
-                + c.saved_bytes * (self.write_s + self.read_s)
-            )
-        else:
-            t = m * (2 * c.forward_s + c.backward_s)
-        if cur == INPUTS_TO_DISK:
-            t += m * c.input_bytes * (self.write_s + self.read_s)
-        if cur == STREAM:
-            # a row-streamed parameter is read a micro-batch's rows at a time, its
-            # gradient written to the store and read back by the update
-            own = b.row_param_bytes
-            loads = b.param_bytes - own + (c.row_load_bytes if own else 0)
-            reads = 2 * m * loads + b.optimizer_state_bytes + b.param_bytes + own
-            writes = b.param_bytes + b.optimizer_state_bytes + own
-            if m > 1:
-                reads += (m - 1) * (b.grad_bytes - own)
-                writes += (m - 1) * (b.grad_bytes - own)
-            t += reads * self.read_s + writes * self.write_s
-        return t
-
-
-def _slack(raw: int) -> int:
-    return int(math.ceil(raw * (1 + ALLOCATOR_SLACK_FRACTION))) + ALLOCATOR_SLACK_BYTES
-
-
-def _unslack(budget: int) -> int:
-    """The largest raw peak whose slacked figure fits ``budget``."""
-    raw = int((budget - ALLOCATOR_SLACK_BYTES) / (1 + ALLOCATOR_SLACK_FRACTION))
-    while raw > 0 and _slack(raw) > budget:
-        raw -= 1
-    while _slack(raw + 1) <= budget:
-        raw += 1
-    return raw
-
-
-# --------------------------------------------------------------------------- predict
-def _events(
-    model: _Model, choices: Sequence[str]
-) -> list[tuple[str, int, dict[str, int]]]:
-    """Every event of the step with its raw bytes and a breakdown."""
-    p = model.profile
-    n = model.n
-    streamed = [ch == STREAM for ch in choices]
-    po_res = sum(model.resident_po(k) for k in range(n) if not streamed[k])
-    # own gradients; a tied one (``held_grad`` less own) only in backward events
-    # from the borrower's backward down to the owner's
-    own_g = [p.blocks[k].grad_bytes if not streamed[k] else 0 for k in range(n)]
-    tied = [model.held_grad(k, streamed) - own_g[k] for k in range(n)]
-    g_res = sum(own_g)
-    held = [
-        model.held_boundary(i, choices[i - 1] if i else KEEP, choices[i])
-        for i in range(n)
-    ]
-    kept = [model.kept(k, choices[k]) for k in range(n)]
-    events = []
-    base = model.base
-    for j in range(n):
-        sh = model.shared_load(j, streamed)
-        acts = sum(kept[:j]) + sum(held[:j])
-        local = model.forward_local(j, choices[j], sh)
-        # later blocks' gradients count as resident (every micro-batch after the first)
-        g_later = sum(own_g[j + 1 :])
-        parts = {
-            "base": base,
-            "resident": po_res + (g_res if model.m > 1 else g_later),
-            "activations": acts,
-            "local": local,
-        }
-        events.append((f"forward of {p.blocks[j].name}", sum(parts.values()), parts))
-    for j in reversed(range(n)):
-        sh = model.shared_load(j, streamed)
-        g_later = sum(own_g[j + 1 :])
-        waiting = sum(
-            tied[k]
-            for k in range(j + 1, n)
-            if tied[k] and min(model.owner_of[k], default=n) <= j
-        )
-        acts = sum(kept[: j + 1]) + sum(held[: j + 1])
-        local = model.backward_local(j, choices[j], sh)
-        res = po_res + (g_res if model.m > 1 else g_later) + waiting
-        parts = {"base": base, "resident": res, "activations": acts, "local": local}
-        events.append((f"backward of {p.blocks[j].name}", sum(parts.values()), parts))
-    parts = {
-        "base": base,
-        "resident": po_res + g_res,
-        "activations": 0,
-        "local": model.optimizer_temp(streamed),
-    }
-    events.append(("optimizer step", sum(parts.values()), parts))
-    parts = {
-        "base": 0,
-        "resident": 0,
-        "activations": 0,
-        "local": p.construction_peak_bytes,
-    }
-    events.append(("model construction", p.construction_peak_bytes, parts))
-    return events
-
-
-def predict(profile: Profile, plan: MemoryPlan) -> Prediction:
-    """Predicted peak, step time and disk bytes of ``plan`` (the cost model)."""
-    choices = _choices_of(plan)
-    c = plan.loss_chunks
-    if profile.loss_chunk_setting > 1 or not profile.blocks[-1].chunk_costs:
-        if c != profile.loss_chunk_setting:
-            raise MemoryPlanError(
-                f"the plan has {c} loss chunks but the profile was made with "
-                f"{profile.loss_chunk_setting}; profile with loss_chunks={c}"
-            )
-        c = 1  # the chunked head is inside every block's costs
-    model = _Model(profile, plan.num_microbatches, c)
-    return _predict(model, choices)
-
-
-def _predict(model: _Model, choices: Sequence[str]) -> Prediction:
-    events = _events(model, choices)
-    name, raw, parts = max(events, key=lambda e: e[1])
-    t = sum(model.time(k, ch) for k, ch in enumerate(choices))
-    disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
-    return Prediction(_slack(raw), t, disk, name, parts)
-
-
-def _choices_of(plan: MemoryPlan) -> list[str]:
-    inv = {v: k for k, v in _AS_PLAN.items()}
-    out = []
-    for b in plan.blocks:
-        key = (b.activations, b.state, b.offload_inputs)
-        if b.state == "stream":
-            key = ("recompute", "stream", False)
-        out.append(inv[key])
-    return out
-
 
 # --------------------------------------------------------------------------- search
 _CLASSES = (KEEP, RECOMPUTE)
@@ -509,7 +100,7 @@ class _Step:
 
 
 def _steps(
-    model: _Model, fixed: dict[int, tuple[str, ...]], cache: dict[tuple, list[_Step]]
+    model: CostModel, fixed: dict[int, tuple[str, ...]], cache: dict[tuple, list[_Step]]
 ) -> list[list[_Step]]:
     """Every allowed option of every block as a ``_Step``; rows shared by settings
     (a block's row depends on the setting only through these keys) come from
@@ -564,7 +155,7 @@ def _unlink(linked: tuple | None) -> tuple[_Step, ...]:
 
 
 def _smallest(
-    model: _Model, steps: list[list[_Step]], disk_budget: int | None
+    model: CostModel, steps: list[list[_Step]], disk_budget: int | None
 ) -> tuple[int, float, tuple[_Step, ...]] | None:
     """The plan with the smallest raw peak: (raw peak, time, steps), or None.
 
@@ -733,7 +324,7 @@ def _lower_bound(
 
 
 def _fastest(
-    model: _Model,
+    model: CostModel,
     steps: list[list[_Step]],
     exact_dt: list[list[int]],
     bounds: _Bounds,
@@ -912,7 +503,7 @@ def _best(
     microbatching: bool,
     max_microbatches: int,
     use_time: bool,
-) -> tuple[_Model, tuple[str, ...], int, float] | None:
+) -> tuple[CostModel, tuple[str, ...], int, float] | None:
     """The fastest plan under ``raw_budget`` (or the smallest-peak plan):
     (model, choices, raw peak, time), or None."""
     groups = _groups(profile, microbatching, max_microbatches, disk_budget > 0)
@@ -920,7 +511,7 @@ def _best(
 
     def plan_of(
         m: int, chosen: tuple[_Step, ...]
-    ) -> tuple[_Model, tuple[str, ...], float]:
+    ) -> tuple[CostModel, tuple[str, ...], float]:
         model = models[(m, chosen[-1].chunks)]
         choices = tuple(st.cur for st in chosen)
         return model, choices, _time_of(model, choices)
@@ -977,20 +568,20 @@ def _best(
     return best
 
 
-def _time_of(model: _Model, choices: Sequence[str]) -> float:
+def _time_of(model: CostModel, choices: Sequence[str]) -> float:
     return sum(model.time(k, ch) for k, ch in enumerate(choices))
 
 
 def _groups(
     profile: Profile, microbatching: bool, max_microbatches: int, disk_ok: bool
-) -> list[tuple[dict[int, tuple[str, ...]], list[_Model], list[list[_Step]]]]:
+) -> list[tuple[dict[int, tuple[str, ...]], list[CostModel], list[list[_Step]]]]:
     """The settings, with those that differ only in loss chunks merged into one search:
     the chunk count changes only the last block, so its options for every count
     become options of one chain (each ``_Step`` knows its count)."""
     cache: dict[tuple, list[_Step]] = {}
-    by_key: dict[tuple, tuple[dict, list[_Model], list[list[_Step]]]] = {}
+    by_key: dict[tuple, tuple[dict, list[CostModel], list[list[_Step]]]] = {}
     for m, c, fixed in _settings(profile, microbatching, max_microbatches, disk_ok):
-        model = _Model(profile, m, c)
+        model = CostModel(profile, m, c)
         # the search starts from the optimizer step's temporaries: an upper bound,
         # the blocks whose streaming is not fixed counted as resident
         model.opt_temp = model.optimizer_temp(
@@ -1007,11 +598,11 @@ def _groups(
 
 
 def _as_memory_plan(
-    model: _Model, choices: Sequence[str], budget: int | None, disk_budget: int
+    model: CostModel, choices: Sequence[str], budget: int | None, disk_budget: int
 ) -> MemoryPlan:
-    pred = _predict(model, choices)
+    pred = predict_choices(model, choices)
     blocks = tuple(
-        BlockPlan(b.name, *_AS_PLAN[ch]) for b, ch in zip(model.profile.blocks, choices)
+        BlockPlan(b.name, *AS_PLAN[ch]) for b, ch in zip(model.profile.blocks, choices)
     )
     notes = [f"peak at {pred.peak_event}"]
     if model.profile.disk is None and any(
@@ -1064,7 +655,7 @@ def min_budget_bytes(
     mb = _microbatching(profile, allow_microbatching, batch_dependent)
     best = _best(profile, None, disk, mb, max_microbatches, use_time=False)
     assert best is not None
-    return _slack(best[2])
+    return slack(best[2])
 
 
 def plan_memory(
@@ -1109,7 +700,7 @@ def plan_memory(
         assert smallest is not None
         raw = smallest[2]
     else:
-        raw = _unslack(budget_bytes)
+        raw = unslack(budget_bytes)
     best = _best(profile, raw, disk, mb, max_microbatches, use_time=True)
     if best is None:
         assert budget_bytes is not None
@@ -1124,8 +715,8 @@ def _budget_error(
     smallest = _best(profile, None, disk, mb, max_microbatches, use_time=False)
     assert smallest is not None
     model, choices, raw, _t = smallest
-    need = _slack(raw)
-    pred = _predict(model, choices)
+    need = slack(raw)
+    pred = predict_choices(model, choices)
     dominant = _dominant(model, choices, pred)
     where = (
         "with no disk (disk budget 0)"
@@ -1144,7 +735,7 @@ def _budget_error(
     )
 
 
-def _dominant(model: _Model, choices: Sequence[str], pred: Prediction) -> str:
+def _dominant(model: CostModel, choices: Sequence[str], pred: Prediction) -> str:
     parts = pred.breakdown
     what = max(parts, key=lambda k: parts[k])
     size = format_bytes(parts[what])

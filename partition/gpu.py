@@ -1,4 +1,4 @@
-"""A cost model for GPU clusters: data x pipeline x tensor parallel layouts of a dense
+"""A model for GPU clusters: data x pipeline x tensor parallel layouts of a dense
 decoder-only transformer, with sharded data parallel (FSDP / ZeRO) and recompute.
 
 ``plan_layout(model, cluster, global_batch_tokens)`` tries every layout (tensor
@@ -17,7 +17,9 @@ Assumptions (all stated in docs/partition.md, each a field or constant here):
   parallel with tensor parallel): ``s*b*h*(34 + 5*a*s/h) / t`` bytes without recompute,
   ``34*s*b*h / t`` with selective recompute (attention scores rerun; flash attention
   makes it the default), ``2*s*b*h`` with full recompute (only each layer's input).
-  The first stage of 1F1B holds ``pp`` micro-batches of its ``L/pp`` layers.
+  The first stage of 1F1B holds ``pp`` micro-batches of its ``L/pp`` layers. These
+  bytes are units (``analytic_profile``) priced by the one cost model,
+  ``memory.cost.price_stage``, as a device's plan and a pipeline stage are.
 - Compute: model FLOPs ``6*N*tokens + 12*L*h*s*tokens`` (PaLM's MFU convention,
   attention not halved for causality), run at each GPU's sustained rate
   (``compute`` in the cluster file), +1/3 of the layer FLOPs for full recompute.
@@ -34,6 +36,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from memory.cost import CostModel, price_stage
+from memory.profile import BlockCosts, BlockProfile, Profile
 from memory.sizes import format_bytes
 from partition.cluster import Cluster
 
@@ -125,6 +129,132 @@ class Layout:
         return json.dumps(asdict(self), sort_keys=True)
 
 
+def analytic_profile(
+    spec: TransformerSpec,
+    *,
+    dp: int,
+    tp: int,
+    microbatch_size: int,
+    recompute: str,
+    sharding: str,
+) -> Profile:
+    """The model as units for ``memory.cost``: the embedding, each layer and the
+    head, with one GPU's share of their state and one micro-batch's activations
+    (bytes from the formulas of the module docstring; times are not used).
+
+    A layer keeps ``s*b*h*(34 + 5*a*s/h) / t`` bytes (``none``) or ``34*s*b*h / t``
+    (``selective``), its ``2*s*b*h``-byte input among them, or only that input
+    (``full``: recomputed, its full activations alive again in its backward). FSDP
+    gathers one layer's bf16 weights and prefetches the next (``4*N/(t*L)`` bytes in
+    each forward and backward). The head's fp32 logits (``4*s*b*V/t``) exist in its
+    forward and its backward.
+    """
+    L, h, s, a = spec.num_layers, spec.hidden, spec.seq_len, spec.num_heads
+    b, V, N = microbatch_size, spec.vocab, spec.num_params
+    weights = 2 / (dp if sharding == "fsdp" else 1)  # bf16 weights; bf16 grads alike
+    moments = 12 / (1 if sharding == "ddp" else dp)  # fp32 master and AdamW moments
+    full = s * b * h * (34 + 5 * a * s / h) / tp
+    per_layer = {"none": full, "selective": 34 * s * b * h / tp, "full": 0.0}
+    x = 2 * s * b * h  # a layer's bf16 input
+    gather = 4 * N / (tp * L) if sharding == "fsdp" else 0
+    logits = 4 * s * b * V / tp
+
+    def unit(
+        name: str, params: float, costs: BlockCosts, options: tuple[str, ...]
+    ) -> BlockProfile:
+        return BlockProfile(
+            name=name,
+            num_params=int(params),
+            param_bytes=int(params * weights),
+            grad_bytes=int(params * weights),
+            optimizer_state_bytes=int(params * moments),
+            buffer_bytes=0,
+            max_param_tensor_bytes=0,  # fused optimizers: no per-tensor temporary
+            shared_param_bytes=0,
+            shared_with=(),
+            costs={1: costs},
+            options=options,
+        )
+
+    def costs(
+        inp: float, out: float, saved: float, fwd: float, bwd: float, saves_input: bool
+    ) -> BlockCosts:
+        return BlockCosts(
+            input_bytes=int(inp),
+            output_bytes=int(out),
+            saved_bytes=int(saved),
+            saves_input=saves_input,
+            saves_output=False,
+            forward_peak_bytes=int(fwd),
+            forward_no_grad_peak_bytes=int(gather),
+            backward_peak_bytes=int(bwd),
+            forward_flops=0,
+            backward_flops=0,
+        )
+
+    rec = recompute == "full"
+    saved = full if rec else max(per_layer[recompute] - x, 0.0)
+    layer = costs(x, x, saved, saved + gather, gather, saves_input=not rec)
+    layer_params = (N - 2 * V * h) / (L * tp)
+    return Profile(
+        blocks=(
+            unit("embed", V * h / tp, costs(8 * s * b, x, 0, x, 0, False), ("K",)),
+            *(
+                unit(f"layers.{i}", layer_params, layer, ("R",) if rec else ("K",))
+                for i in range(L)
+            ),
+            unit("head", V * h / tp, costs(x, 4, 0, logits, logits, True), ("K",)),
+        ),
+        batch_size=microbatch_size,
+        batch_dependent=False,
+        batch_bytes=0,
+        construction_peak_bytes=0,
+    )
+
+
+def memory_bytes(
+    spec: TransformerSpec,
+    *,
+    dp: int,
+    pp: int,
+    tp: int,
+    microbatch_size: int,
+    recompute: str,
+    sharding: str,
+    stages_per_rank: int = 1,
+    num_microbatches: int = 1,
+) -> int:
+    """Predicted peak bytes per GPU (``memory.cost``'s events of the analytic units,
+    no allocator slack: ``MEMORY_RESERVE`` stands for it): the larger of the first
+    pipeline rank's (the embedding and its layers, the most micro-batches in flight:
+    ``pp`` for 1F1B, ``pp + (pp-1)/v`` interleaved) and the last's (its layers and
+    the head, one in flight for 1F1B)."""
+    profile = analytic_profile(
+        spec,
+        dp=dp,
+        tp=tp,
+        microbatch_size=microbatch_size,
+        recompute=recompute,
+        sharding=sharding,
+    )
+    model = CostModel(profile, num_microbatches, 1, slices=1)
+    L, v, m = spec.num_layers, stages_per_rank, num_microbatches
+    per_rank = L // pp
+    n = len(profile.blocks)
+    spans = {(0, 1 + per_rank): pp + (pp - 1) / v if v > 1 else pp}
+    spans[(n - 1 - per_rank, n) if pp > 1 else (0, n)] = (
+        1 + (pp - 1) / v if v > 1 else 1
+    )
+    peak = 0
+    for (a, b), flight in spans.items():
+        choices = [profile.blocks[k].options[0] for k in range(a, b)]
+        price = price_stage(
+            model, (a, b), choices, in_flight=min(flight, m), base_bytes=0
+        )
+        peak = max(peak, price.raw_bytes)
+    return peak
+
+
 def _ring_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
     """A ring all-reduce of ``nbytes`` over ``n`` members."""
     if n <= 1:
@@ -168,26 +298,23 @@ def evaluate(
         return None
     b = microbatch_size
     N = spec.num_params
-    # ---- memory (first pipeline stage: the most in flight)
-    unsharded, sharded = BYTES_PER_PARAM[sharding]
-    params_here = N / (tp * pp)
-    state = params_here * (unsharded + sharded / dp)
-    if sharding == "fsdp":
-        state += 2 * 2 * params_here / (L / pp)  # one layer gathered, +prefetch
-    per_layer = {
-        "none": s * b * h * (34 + 5 * a * s / h) / tp,
-        "selective": 34 * s * b * h / tp,
-        "full": 2 * s * b * h,
-    }[recompute]
-    in_flight = pp * (1 + (pp - 1) / (pp * v)) if v > 1 else pp
-    layers_here = L / pp
-    acts = min(in_flight, m) * layers_here * per_layer
-    if recompute == "full":  # one layer's full activations exist during its backward
-        acts += s * b * h * (34 + 5 * a * s / h) / tp
-    logits = s * b * spec.vocab * 4 / tp  # fp32 logits on the last stage
-    mem = state + acts + logits
+    # ---- memory: the units' analytic costs priced by the one cost model, on the
+    # first pipeline rank (the most micro-batches in flight) and the last (the head)
+    mem = memory_bytes(
+        spec,
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        microbatch_size=b,
+        recompute=recompute,
+        sharding=sharding,
+        stages_per_rank=v,
+        num_microbatches=m,
+    )
     if mem > MEMORY_RESERVE * dev.memory_bytes:
         return None
+    layers_here = L / pp
+    params_here = N / (tp * pp)
     # ---- time
     tokens_mb = b * s
     layer_flops = 6 * (N - 2 * spec.vocab * h) / L + 12 * h * s  # per token per layer

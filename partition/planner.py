@@ -31,9 +31,11 @@ import itertools
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
+from memory.cost import KEEP, RECOMPUTE, CostModel, StagePrice, price_stage, slack
 from memory.errors import BudgetError
 from memory.profile import BlockCosts, Profile
 from memory.sizes import format_bytes
@@ -287,7 +289,9 @@ class _Setting:
 
 
 class _Costs:
-    """Per-block numbers at one slice size, and per-device time scales."""
+    """The one cost model (``memory.cost``) at one slice size, and per-device time
+    scales: a stage's memory is the same events as a device's step, over its span
+    of units with its micro-batches in flight."""
 
     def __init__(
         self,
@@ -301,17 +305,19 @@ class _Costs:
         self.update_s_per_byte = update_s_per_byte
         self.profile = profile
         self.cluster = cluster
-        self.c: list[BlockCosts] = [b.costs[slices] for b in profile.blocks]
+        # gradients accumulate over a replica's micro-batches: with slices > 1 the
+        # model counts every gradient resident (exact for m > 1, an upper bound for
+        # replicas of one micro-batch)
+        self.model = CostModel(profile, slices, 1)
+        self.c: list[BlockCosts] = self.model.costs
         self.n = len(self.c)
         rate = profile.flops_per_s
         self.scale = [
             (rate / d.flops_per_s) if rate > 0 else 0.0 for d in cluster.devices
         ]
         self.rate = [d.flops_per_s for d in cluster.devices]
-        self.state = [
-            b.param_bytes + b.grad_bytes + b.optimizer_state_bytes + b.buffer_bytes
-            for b in profile.blocks
-        ]
+        # per micro-batch: what keeping a unit's activations holds, and what
+        # recomputing it holds instead (its input); the greedy's ranking
         self.keep_bytes = [
             c.saved_bytes
             + c.saves_input * c.input_bytes
@@ -320,6 +326,38 @@ class _Costs:
         ]
         self.rec_bytes = [c.input_bytes for c in self.c]
         self.batch_bytes = profile.batch_bytes // slices
+        self.options = [
+            tuple(o for o in (KEEP, RECOMPUTE) if o in self.model.options(k))
+            or (RECOMPUTE,)
+            for k in range(self.n)
+        ]
+
+    def base(self, a: int, b: int, in_flight: int, per_rank: int = 1) -> int:
+        """Bytes of stage ``a..b-1`` outside its units' events: its share of the
+        rank's runtime (torch's first-step cost, counted once per process, as a
+        device's plan counts it), its buffers, its receive buffers and the
+        micro-batches of the batch it holds (the first stage the inputs of those in
+        flight, the last their targets)."""
+        comm = COMM_BUFFERS * max(self.c[a].input_bytes, self.c[b - 1].output_bytes)
+        batch = 0
+        if a == 0 or b == self.n:
+            batch = self.batch_bytes * (in_flight if a == 0 else 1)
+        buffers = sum(self.profile.blocks[k].buffer_bytes for k in range(a, b))
+        runtime = -(-self.profile.runtime_bytes // per_rank)
+        return runtime + buffers + comm + batch
+
+    def price(
+        self, a: int, b: int, choices: Sequence[str], in_flight: int, per_rank: int = 1
+    ) -> StagePrice:
+        """``memory.cost``'s price of stage ``a..b-1`` (one of ``per_rank`` stages
+        on its rank)."""
+        return price_stage(
+            self.model,
+            (a, b),
+            choices,
+            in_flight=in_flight,
+            base_bytes=self.base(a, b, in_flight, per_rank),
+        )
 
     def overhead(self, dev: int) -> float:
         """Runtime seconds per stage action on ``dev``."""
@@ -348,6 +386,28 @@ class _Costs:
             return c.backward_s * self.scale[dev]
         return c.backward_flops / self.rate[dev]
 
+    def gains(self, a: int, b: int, dev: int) -> list[int]:
+        """Units of ``a..b-1`` that recomputing makes smaller, the ones that save
+        the most bytes per second of rerun on ``dev`` first."""
+        ks = [
+            k
+            for k in range(a, b)
+            if self.keep_bytes[k] > self.rec_bytes[k] and len(self.options[k]) > 1
+        ]
+        return sorted(
+            ks,
+            key=lambda k: (
+                -(self.keep_bytes[k] - self.rec_bytes[k]) / max(self.fwd(k, dev), 1e-12)
+            ),
+        )
+
+    def choices(self, a: int, b: int, recompute: Sequence[int]) -> list[str]:
+        """Each unit's first option (keep where it may), ``recompute`` recomputed."""
+        out = [self.options[k][0] for k in range(a, b)]
+        for k in recompute:
+            out[k - a] = RECOMPUTE
+        return out
+
 
 @dataclass(frozen=True)
 class _StageChoice:
@@ -356,7 +416,7 @@ class _StageChoice:
     bwd_s: float
     act_bytes: int
     static_bytes: int
-    peak_bytes: int
+    peak_bytes: int  # slack included: what the device's memory must hold
 
 
 def _stage(
@@ -367,48 +427,44 @@ def _stage(
     in_flight: int,
     limit: int,
     recompute_ok: bool,
-    first: bool,
-    last: bool,
+    per_rank: int = 1,
 ) -> _StageChoice | None:
     """Blocks a..b-1 on ``devs`` (one per replica): the fastest recompute choice that
-    fits ``limit`` bytes with ``in_flight`` micro-batches held, or None."""
+    fits ``limit`` bytes with ``in_flight`` micro-batches held, or None.
+
+    Recompute goes to the blocks that save the most bytes per second of rerun first,
+    as few as fit (the peak falls as more are recomputed: found by bisection)."""
     ks = range(a, b)
     fwd = {d: sum(costs.fwd(k, d) for k in ks) + costs.overhead(d) for d in devs}
     bwd = {d: sum(costs.bwd(k, d) for k in ks) + costs.overhead(d) for d in devs}
-    work = max(
-        max(costs.c[k].forward_peak_bytes, costs.c[k].backward_peak_bytes) for k in ks
-    )
-    comm = COMM_BUFFERS * max(costs.c[a].input_bytes, costs.c[b - 1].output_bytes)
-    static = sum(costs.state[k] for k in ks) + work + comm
-    if first or last:
-        static += costs.batch_bytes * (in_flight if first else 1)
-    rec = [False] * (b - a)
-    act = sum(costs.keep_bytes[k] for k in ks)
-    extra = 0.0
     slow = max(devs, key=lambda d: fwd[d] + bwd[d])
-    if static + in_flight * act > limit and recompute_ok:
-        # recompute the blocks that save the most bytes per second of rerun first
-        gains = sorted(
-            ks,
-            key=lambda k: (
-                -(costs.keep_bytes[k] - costs.rec_bytes[k])
-                / max(costs.fwd(k, slow), 1e-12)
-            ),
-        )
-        for k in gains:
-            if costs.keep_bytes[k] <= costs.rec_bytes[k]:
-                continue
-            rec[k - a] = True
-            act -= costs.keep_bytes[k] - costs.rec_bytes[k]
-            extra += costs.fwd(k, slow)
-            if static + in_flight * act <= limit:
-                break
-    peak = static + in_flight * act
-    if peak > limit:
+    gains = costs.gains(a, b, slow) if recompute_ok else []
+    choices = costs.choices(a, b, ())
+    price = costs.price(a, b, choices, in_flight, per_rank)
+    if price.peak_bytes > limit and gains:
+        full = costs.choices(a, b, gains)
+        price = costs.price(a, b, full, in_flight, per_rank)
+        if price.peak_bytes > limit:
+            return None
+        lo, hi = 1, len(gains)  # the fewest recomputed blocks that fit
+        best = (full, price)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ch = costs.choices(a, b, gains[:mid])
+            pr = costs.price(a, b, ch, in_flight, per_rank)
+            if pr.peak_bytes <= limit:
+                hi, best = mid, (ch, pr)
+            else:
+                lo = mid + 1
+        choices, price = best
+    if price.peak_bytes > limit:
         return None
+    rec = tuple(c == RECOMPUTE for c in choices)
     f = max(fwd.values())
     bw = max(bwd[d] + sum(costs.fwd(k, d) for k in ks if rec[k - a]) for d in devs)
-    return _StageChoice(tuple(rec), f, bw, act, static, peak)
+    return _StageChoice(
+        rec, f, bw, price.activation_bytes, price.static_bytes, price.peak_bytes
+    )
 
 
 @lru_cache(maxsize=256)
@@ -446,15 +502,7 @@ def _boundaries_dp(
         if key not in memo:
             devs = st.devices_of(j)
             ch = _stage(
-                costs,
-                a,
-                b,
-                devs,
-                flights[j],
-                limits[j],
-                cfg.recompute,
-                a == 0,
-                b == n,
+                costs, a, b, devs, flights[j], limits[j], cfg.recompute, st.per_rank
             )
             if ch is None:
                 memo[key] = (math.inf, None)
@@ -538,7 +586,7 @@ def _evaluate(
     cfg: PlannerConfig,
 ) -> tuple[SimResult, list[_StageChoice], float] | None:
     """Simulate one boundary choice; (result, stage choices, all-reduce seconds)."""
-    n, P = costs.n, st.num_stages
+    P = st.num_stages
     choices = []
     for j in range(P):
         ch = _stage(
@@ -549,8 +597,7 @@ def _evaluate(
             flights[j],
             limits[j],
             cfg.recompute,
-            cuts[j] == 0,
-            cuts[j + 1] == n,
+            st.per_rank,
         )
         if ch is None:
             return None
@@ -819,7 +866,7 @@ def _as_plan(
                 BlockPlan(nm, "recompute" if r else "keep")
                 for nm, r in zip(blocks, ch.recompute)
             ),
-            predicted_peak_bytes=res.rank_peak_bytes[j % st.ranks],
+            predicted_peak_bytes=slack(res.rank_peak_bytes[j % st.ranks]),
             predicted_step_s=(ch.fwd_s + ch.bwd_s) * st.microbatches,
         )
         devs = st.devices_of(j)
@@ -830,7 +877,7 @@ def _as_plan(
                 devices=tuple(cluster.devices[d].name for d in devs),
                 blocks=blocks,
                 memory=mem,
-                peak_bytes=res.rank_peak_bytes[j % st.ranks],
+                peak_bytes=slack(res.rank_peak_bytes[j % st.ranks]),
                 memory_bytes=min(cluster.devices[d].memory_bytes for d in devs),
                 forward_s=ch.fwd_s,
                 backward_s=ch.bwd_s,
@@ -983,17 +1030,16 @@ def _min_peak(
     def peak(j: int, a: int, b: int) -> int:
         key = (j, a, b)
         if key not in memo:
-            ch = _stage(
-                costs, a, b, st.devices_of(j), flights[j], 2**62, False, a == 0, b == n
-            )
-            assert ch is not None
-            base = ch.peak_bytes
+            # the fewest bytes: nothing recomputed, or every block recompute shrinks
+            peak = costs.price(
+                a, b, costs.choices(a, b, ()), flights[j], st.per_rank
+            ).peak_bytes
             if recompute:
-                act = sum(
-                    min(costs.rec_bytes[k], costs.keep_bytes[k]) for k in range(a, b)
+                rec = costs.choices(a, b, costs.gains(a, b, st.devices_of(j)[0]))
+                peak = min(
+                    peak, costs.price(a, b, rec, flights[j], st.per_rank).peak_bytes
                 )
-                base = ch.static_bytes + flights[j] * act
-            memo[key] = base * st.per_rank
+            memo[key] = peak * st.per_rank
         return memo[key]
 
     inf = 2**63

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memory.plan import min_budget_bytes, plan_memory, predict
+from memory.cost import predict
+from memory.plan import min_budget_bytes, plan_memory
 from memory.profile import loading_from_file
 from memory.spec import MemoryPlan
 from partition.run import measured_run, profile_workload

@@ -25,9 +25,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from memory.cost import predict  # noqa: E402
 from memory.measure import measure_in_child  # noqa: E402
 from memory.overhead import workload_runtime_bytes  # noqa: E402
-from memory.plan import predict  # noqa: E402
 from memory.sizes import format_bytes  # noqa: E402
 from memory.spec import MemoryPlan  # noqa: E402
 from memory.unit_profile import plan_units, unit_profiles  # noqa: E402

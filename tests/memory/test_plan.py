@@ -8,6 +8,7 @@ import time
 import pytest
 from synthetic import gpt_like_profile, random_profile
 
+from memory import cost as C
 from memory import plan as P
 from memory.errors import BudgetError, MemoryPlanError
 from memory.spec import MemoryPlan
@@ -20,8 +21,8 @@ def tied_ok(profile, choices):
     names = [b.name for b in profile.blocks]
     for k, b in enumerate(profile.blocks):
         for owner in b.shared_with:
-            if owner in names and choices[names.index(owner)] == P.STREAM:
-                if choices[k] != P.STREAM:
+            if owner in names and choices[names.index(owner)] == C.STREAM:
+                if choices[k] != C.STREAM:
                     return False
     return True
 
@@ -33,11 +34,11 @@ def brute_force(profile, raw_budget, disk_budget, microbatching=True):
     for m in profile.microbatch_options if microbatching else (1,):
         cs = [1] + sorted(c for (mm, c) in profile.blocks[-1].chunk_costs if mm == m)
         for c in cs:
-            model = P._Model(profile, m, c)
+            model = C.CostModel(profile, m, c)
             for choices in itertools.product(*(model.options(k) for k in range(n))):
                 if not tied_ok(profile, choices):
                     continue
-                raw = max(e[1] for e in P._events(model, choices))
+                raw = max(e[1] for e in C.events(model, choices))
                 disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
                 if raw_budget is not None and raw > raw_budget or disk > disk_budget:
                     continue
@@ -53,19 +54,19 @@ def brute_force(profile, raw_budget, disk_budget, microbatching=True):
 def test_exact_search_equals_brute_force(n, seed):
     prof = random_profile(n, seed, chunks=(2,) if seed % 2 else (), tied=seed % 3 == 0)
     smallest = brute_force(prof, None, BIG_DISK)
-    assert P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK) == P._slack(smallest[0])
-    plain = P._predict(P._Model(prof, 1, 1), ["K"] * n)
-    lo = P._slack(smallest[0])
+    assert P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK) == C.slack(smallest[0])
+    plain = C.predict_choices(C.CostModel(prof, 1, 1), ["K"] * n)
+    lo = C.slack(smallest[0])
     for budget in [
         plain.peak_bytes,
         lo,
         (lo + plain.peak_bytes) // 2,
         lo + (plain.peak_bytes - lo) // 5,
     ]:
-        raw = P._unslack(budget)
+        raw = C.unslack(budget)
         want = brute_force(prof, raw, BIG_DISK)
         plan = P.plan_memory(prof, budget, disk_budget_bytes=BIG_DISK, batch_size=4)
-        pred = P.predict(prof, plan)
+        pred = C.predict(prof, plan)
         assert pred.peak_bytes <= budget
         assert plan.predicted_peak_bytes == pred.peak_bytes
         assert plan.predicted_step_s == pytest.approx(want[0], rel=1e-12)
@@ -74,13 +75,13 @@ def test_exact_search_equals_brute_force(n, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_disk_budget_is_respected_exactly(seed):
     prof = random_profile(5, seed + 10)
-    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 5)
+    plain = C.predict_choices(C.CostModel(prof, 1, 1), ["K"] * 5)
     for disk in [0, 20 * 2**20, 200 * 2**20]:
         smallest = brute_force(prof, None, disk)
-        lo = P._slack(smallest[0])
+        lo = C.slack(smallest[0])
         assert P.min_budget_bytes(prof, disk_budget_bytes=disk) == lo
         budget = (lo + plain.peak_bytes) // 2
-        want = brute_force(prof, P._unslack(budget), disk)
+        want = brute_force(prof, C.unslack(budget), disk)
         plan = P.plan_memory(prof, budget, disk_budget_bytes=disk, batch_size=4)
         assert plan.predicted_disk_bytes <= disk
         assert plan.predicted_step_s == pytest.approx(want[0], rel=1e-12)
@@ -93,7 +94,7 @@ def test_disk_budget_is_respected_exactly(seed):
 
 def test_plain_budget_gives_plain_or_faster_plan_and_none_gives_smallest():
     prof = random_profile(6, 3)
-    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 6)
+    plain = C.predict_choices(C.CostModel(prof, 1, 1), ["K"] * 6)
     plan = P.plan_memory(
         prof, plain.peak_bytes, disk_budget_bytes=BIG_DISK, batch_size=4
     )
@@ -152,11 +153,11 @@ def every_plan(profile):
     for m in profile.microbatch_options:
         cs = [1] + sorted(c for (mm, c) in profile.blocks[-1].chunk_costs if mm == m)
         for c in cs:
-            model = P._Model(profile, m, c)
+            model = C.CostModel(profile, m, c)
             for choices in itertools.product(*(model.options(k) for k in range(n))):
                 if not tied_ok(profile, choices):
                     continue
-                raw = max(e[1] for e in P._events(model, choices))
+                raw = max(e[1] for e in C.events(model, choices))
                 disk = sum(model.disk(k, ch) for k, ch in enumerate(choices))
                 t = sum(model.time(k, ch) for k, ch in enumerate(choices))
                 out.append((raw, t, disk))
@@ -168,17 +169,17 @@ def test_search_equals_brute_force_on_six_blocks_and_a_budget_grid(seed):
     # loss chunks merged into one search, branch and bound: budgets from the
     # smallest to plain's, with and without a disk budget that binds
     prof = random_profile(6, 40 + seed, chunks=(2, 4), tied=seed % 2 == 0)
-    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 6)
+    plain = C.predict_choices(C.CostModel(prof, 1, 1), ["K"] * 6)
     plans = every_plan(prof)
     for disk in [BIG_DISK, 60 * 2**20]:
-        lo = P._slack(min(raw for raw, _t, d in plans if d <= disk))
+        lo = C.slack(min(raw for raw, _t, d in plans if d <= disk))
         assert P.min_budget_bytes(prof, disk_budget_bytes=disk) == lo
         for i in range(7):
             budget = lo + (plain.peak_bytes - lo) * i // 6
-            raw_budget = P._unslack(budget)
+            raw_budget = C.unslack(budget)
             want = min(t for raw, t, d in plans if raw <= raw_budget and d <= disk)
             plan = P.plan_memory(prof, budget, disk_budget_bytes=disk, batch_size=4)
-            assert P.predict(prof, plan).peak_bytes <= budget
+            assert C.predict(prof, plan).peak_bytes <= budget
             assert plan.predicted_disk_bytes <= disk
             assert plan.predicted_step_s == pytest.approx(want, rel=1e-12)
 
@@ -191,7 +192,7 @@ def test_128_blocks_plan_fast_at_every_budget():
     t0 = time.process_time()
     lo = P.min_budget_bytes(prof, disk_budget_bytes=BIG_DISK)
     timings = {"min_budget_bytes": time.process_time() - t0}
-    plain = P._predict(P._Model(prof, 1, 1), ["K"] * 128)
+    plain = C.predict_choices(C.CostModel(prof, 1, 1), ["K"] * 128)
     budgets = {
         "minimum": lo,
         "1.5 x minimum": int(lo * 1.5),
