@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if c["participation"] is not None and c["participation"] == 0.0
     ]
     print(
-        f"# fleet {fleet.name}: {fleet.clients} devices, {fleet.workload}, "
-        f"{fleet.rounds} rounds x {fleet.local_steps} local steps, fraction "
-        f"{fleet.fraction}, seed {fleet.seed}"
+        f"# fleet {fleet.name}: {fleet.clients} devices, {fleet.shape.workload}, "
+        f"{fleet.rounds} rounds x {fleet.shape.local_steps} local steps, fraction "
+        f"{fleet.fraction}, seed {fleet.shape.seed}"
     )
     print(f"# machine: {machine()}; compare wall time {wall:.0f} s\n")
     print(format_table(result))

@@ -59,6 +59,7 @@ from wire import keys
 from wire.facts import NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
 from wire.reply import EvalReply, TrainReply
+from wire.shape import RunShape
 from workloads import get_workload
 from workloads.node_data import evaluate_batches
 
@@ -186,7 +187,8 @@ def train(msg: Message, context: Context) -> Message:
     ins = TrainInstruction.from_config(
         dict(msg.content.config_records.get(keys.CONFIG, {}))
     )
-    check_workload_allowed(ins.workload, context.node_config)  # before any import
+    shape = ins.shape
+    check_workload_allowed(shape.workload, context.node_config)  # before any import
     if ins.kind == "none":
         log.warning("no part of the model fits this node: %s", ins.reason)
         evaluated = None
@@ -204,7 +206,9 @@ def train(msg: Message, context: Context) -> Message:
         )
         return Message(reply.to_content(), reply_to=msg)
     workload = get_workload(
-        ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
+        shape.workload,
+        batch_size=shape.batch_size or None,
+        seq_len=shape.seq_len or None,
     )
     state = msg.content.array_records[keys.ARRAYS].to_torch_state_dict()
     # the reply keeps the received order: Flower's DP wrappers pair arrays by position
@@ -213,12 +217,12 @@ def train(msg: Message, context: Context) -> Message:
         workload,
         node.partition_id,
         node.num_partitions,
-        split=ins.split,
-        alpha=ins.dirichlet_alpha,
-        classes=ins.class_list,
-        seed=ins.seed,
+        split=shape.split,
+        alpha=shape.dirichlet_alpha,
+        classes=ins.classes or None,
+        seed=shape.seed,
         server_round=ins.server_round,
-        local_steps=ins.local_steps,
+        local_steps=shape.local_steps,
     )
     result = train_assigned(
         state,
@@ -228,7 +232,7 @@ def train(msg: Message, context: Context) -> Message:
         torch_seed=torch_seed,
         plan=MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None,
         window=ins.window,
-        lr=ins.lr,
+        lr=shape.lr,
         measure=resolve_measure(ins.measure, node.budget_source),
         offload_dir=node.offload_dir,
     )
@@ -256,7 +260,7 @@ def train(msg: Message, context: Context) -> Message:
 @_error_reply
 def evaluate(msg: Message, context: Context) -> Message:
     config = dict(msg.content.config_records.get(keys.CONFIG, {}))
-    name = str(config.get(keys.WORKLOAD, TrainInstruction.workload))
+    name = str(config.get(keys.WORKLOAD, RunShape.workload))
     check_workload_allowed(name, context.node_config)
     workload = get_workload(name)
     model = workload.make_model(0)

@@ -31,18 +31,21 @@ def evaluate_only(content: Any, node: NodeConfig, ins: TrainInstruction) -> Eval
     arrays = content.array_records.get(keys.ARRAYS)
     if arrays is None or keys.ONNX_MODEL not in arrays:
         return EvalResult(error="the instruction carried no ONNX model")
+    shape = ins.shape
     workload = get_workload(
-        ins.workload, batch_size=ins.batch_size or None, seq_len=ins.seq_len or None
+        shape.workload,
+        batch_size=shape.batch_size or None,
+        seq_len=shape.seq_len or None,
     )
     if workload.kind not in ("image", "lm"):
         return EvalResult(error=f"{workload.name}: not a classifier or an LM")
     items = workload.client_items(
         node.partition_id,
         node.num_partitions,
-        ins.split,
-        seed=ins.seed,
-        alpha=ins.dirichlet_alpha,
-        classes=ins.class_list,
+        shape.split,
+        seed=shape.seed,
+        alpha=shape.dirichlet_alpha,
+        classes=ins.classes or None,
     )
     x, y = workload.eval_arrays(items)
     with tempfile.TemporaryDirectory(prefix="fleetfit-eval-only-") as tmp:

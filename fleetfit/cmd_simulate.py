@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from fleetfit.args import non_negative_int, positive_float, positive_int
+from wire.shape import RunShape
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -26,8 +27,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        default="digits-cnn",
-        help="built-in workload or module:function (default: digits-cnn)",
+        default=RunShape.workload,
+        help="built-in workload or module:function (default: %(default)s)",
     )
     p.add_argument(
         "--fleet",
@@ -85,20 +86,20 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lr",
         type=positive_float,
-        default=0.003,
-        help="client AdamW learning rate (default: 0.003)",
+        default=RunShape.lr,
+        help="client AdamW learning rate (default: %(default)s)",
     )
     p.add_argument(
         "--split",
-        default="iid",
+        default=RunShape.split,
         choices=["iid", "dirichlet", "natural"],
-        help="how data is split across clients (default: iid)",
+        help="how data is split across clients (default: %(default)s)",
     )
     p.add_argument(
         "--alpha",
         type=positive_float,
-        default=0.5,
-        help="Dirichlet concentration for --split dirichlet (default: 0.5)",
+        default=RunShape.dirichlet_alpha,
+        help="Dirichlet concentration for --split dirichlet (default: %(default)s)",
     )
     p.add_argument(
         "--fraction",
@@ -110,13 +111,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch",
         type=non_negative_int,
-        default=0,
+        default=RunShape.batch_size,
         help="local batch size (default: the workload's)",
     )
     p.add_argument(
         "--seq",
         type=non_negative_int,
-        default=0,
+        default=RunShape.seq_len,
         help="sequence length for language models (default: the workload's)",
     )
     p.add_argument(
@@ -143,25 +144,27 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or os.path.join("runs", time.strftime("simulate-%Y%m%d-%H%M%S"))
     settings = SimulationSettings(
-        workload=args.workload,
+        shape=RunShape(
+            workload=args.workload,
+            local_steps=_or(args.local_steps, RunShape.local_steps),
+            lr=args.lr,
+            seed=_or(args.seed, RunShape.seed),
+            split=args.split,
+            dirichlet_alpha=args.alpha,
+            batch_size=args.batch,
+            seq_len=args.seq,
+        ),
         num_clients=_or(args.clients, 10),
-        rounds=_or(args.rounds, 5),
-        local_steps=_or(args.local_steps, 20),
-        lr=args.lr,
-        split=args.split,
-        dirichlet_alpha=args.alpha,
-        fraction_train=_or(args.fraction, 1.0),
-        seed=_or(args.seed, 0),
+        num_server_rounds=_or(args.rounds, SimulationSettings.num_server_rounds),
+        fraction_train=_or(args.fraction, SimulationSettings.fraction_train),
         out=out,
-        batch_size=args.batch,
-        seq_len=args.seq,
         progress=not args.no_progress,
         ray_address=args.ray_address,
     )
     settings.validate()  # bad input fails here, before Ray starts
     print(
         f"fleetfit simulate: {args.workload}, {settings.num_clients} clients, "
-        f"{settings.rounds} rounds -> {out}",
+        f"{settings.num_server_rounds} rounds -> {out}",
         file=sys.stderr,
     )
     from fleetfit.cli import interrupted
@@ -190,7 +193,7 @@ def run_fleet(args: argparse.Namespace) -> int:
 
     if args.strategy is not None and args.compare is not None:
         raise ValueError("give --strategy or --compare, not both")
-    for flag, default in (("workload", "digits-cnn"), ("split", "iid")):
+    for flag, default in (("workload", RunShape.workload), ("split", RunShape.split)):
         if getattr(args, flag) != default:
             raise ValueError(
                 f"--{flag} comes from the fleet file with --fleet: edit the file's "
@@ -214,7 +217,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         settings_for(fleet, name, out, workload=wl).validate()
     print(
         f"fleetfit simulate: fleet {fleet.name} ({fleet.clients} devices, "
-        f"{fleet.workload}), {fleet.rounds} rounds, strategies {', '.join(names)} "
+        f"{fleet.shape.workload}), {fleet.rounds} rounds, strategies {', '.join(names)} "
         f"-> {out}",
         file=sys.stderr,
     )

@@ -35,7 +35,7 @@ def make_app(overrides: dict[str, Any] | None = None) -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         run_config = {**dict(context.run_config), **(overrides or {})}
         cfg = ServerConfig.from_run_config(run_config)
-        Federation(cfg, FlowerTransport(grid, query_config=cfg.fleet())).run()
+        Federation(cfg, FlowerTransport(grid, query_config=cfg.fleet.to_query())).run()
 
     return server_app
 

@@ -1,16 +1,23 @@
-"""The ServerApp's settings: Flower's flat kebab-case run config, parsed once."""
+"""The ServerApp's settings: Flower's flat kebab-case run config, parsed once.
+
+``ServerConfig`` holds the run's shape (``wire.shape.RunShape``, shared with the
+simulation settings and the train instruction) and three sub-configs: ``privacy``,
+``export`` and ``fleet``. Their keys stay flat and unchanged (``dp-clipping-norm``,
+``export-onnx``, ``fleet-speeds``); ``wire.flat`` flattens them, and reads the fleet's
+comma-separated lists once into typed tuples.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
-from wire.flat import from_flat, split_list, to_flat
-from wire.instruction import MEASURES, parse_classes
-from wire.keys import FLEET_DISK, FLEET_MEMORY, FLEET_SPEEDS
+from wire.flat import flat_key, from_flat, to_flat
+from wire.instruction import MEASURES
+from wire.keys import FLEET_DISK, FLEET_KEYS, FLEET_MEMORY, FLEET_SPEEDS
+from wire.shape import RunShape
 from workloads.registry import EVAL_MAX_ITEMS, Workload, get_workload
 from workloads.splits import SPLITS
 
@@ -19,20 +26,132 @@ STRATEGIES = ("fleetfit", "exclude")
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """Central differential privacy (run-config key in brackets)."""
+
+    clipping_norm: float = field(default=0.0, metadata={"key": "dp-clipping-norm"})
+    #   [dp-clipping-norm] > 0: every update's change clipped to this L2 norm, uniform
+    #   average (server/privacy.py); nodes also clip before sending. 0: off
+    noise_multiplier: float = field(
+        default=0.0, metadata={"key": "dp-noise-multiplier"}
+    )
+    #   [dp-noise-multiplier] Gaussian noise of this many clipping norms on the sum
+    #   of clipped changes
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """The exported model (ONNX) and where it is evaluated (run-config key in
+    brackets)."""
+
+    onnx: str = field(default="end", metadata={"key": "export-onnx"})
+    #   [export-onnx] end | every-round | off: write model.onnx and export.json to
+    #   the run folder
+    quantize: bool = field(default=False, metadata={"key": "export-quantize"})
+    #   [export-quantize] also model.int8.onnx
+    eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
+    #   the server's central evaluation (onnxruntime: the exported model, in process)
+    eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
+    #   for any training evaluate the round's model (ONNX) on their data in a
+    #   torch-free process, or (off) only reply that nothing fits
+
+
+def _memory_budget(entry: Any) -> int:
+    return parse_bytes(entry, what="entry")
+
+
+def _disk_budget(entry: Any) -> int:
+    return parse_bytes(entry, what="entry", allow_zero=True)
+
+
+def _number(entry: Any) -> float:
+    """The entry as a float; NaN where it is none (every range check fails)."""
+    if isinstance(entry, bool) or not isinstance(entry, int | float | str):
+        return math.nan
+    try:
+        return float(entry)
+    except ValueError:
+        return math.nan
+
+
+def _speed(entry: Any) -> float:
+    value = _number(entry)
+    if not value > 0:
+        raise ValueError("positive numbers")
+    return value
+
+
+def _probability(entry: Any) -> float:
+    value = _number(entry)
+    if not 0 < value <= 1:
+        raise ValueError("probabilities in (0, 1], comma-separated")
+    return value
+
+
+def _class_index(entry: Any) -> int:
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        value = entry
+    elif isinstance(entry, str) and entry.strip().isdigit():
+        value = int(entry)
+    else:
+        value = -1
+    if value < 0:
+        raise ValueError("class indices >= 0, one per partition, comma-separated")
+    return value
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """A simulated fleet, by partition id: entry ``partition-id mod count`` of each
+    list; () leaves it to the node (run-config key in brackets; given as a
+    comma-separated string or a list, held as typed tuples)."""
+
+    memory_budgets: tuple[int, ...] = field(
+        default=(), metadata={"key": FLEET_MEMORY, "item": _memory_budget}
+    )
+    #   [fleet-memory-budgets] bytes ("512MB" in the run config); a node's own
+    #   memory-budget wins; (): each node uses 50% of the memory it measures
+    disk_budgets: tuple[int, ...] = field(
+        default=(), metadata={"key": FLEET_DISK, "item": _disk_budget}
+    )
+    #   [fleet-disk-budgets] bytes of disk for offload and streaming (0: none)
+    speeds: tuple[float, ...] = field(
+        default=(), metadata={"key": FLEET_SPEEDS, "item": _speed}
+    )
+    #   [fleet-speeds] factors on the measured speed
+    availability: tuple[float, ...] = field(
+        default=(), metadata={"key": "fleet-availability", "item": _probability}
+    )
+    #   [fleet-availability] the probability that a node is online in a round (an
+    #   offline node is not sampled)
+    classes: tuple[int, ...] = field(
+        default=(), metadata={"key": "fleet-classes", "item": _class_index}
+    )
+    #   [fleet-classes] device class index of every partition (one per partition):
+    #   a natural split follows the classes
+
+    def online_probability(self, partition_id: int) -> float:
+        """The probability that partition ``partition_id``'s node is online a round."""
+        a = self.availability
+        return a[partition_id % len(a)] if a else 1.0
+
+    def to_query(self) -> dict[str, str]:
+        """The fleet description sent with queries (non-empty lists only), as the
+        comma-separated strings a node's config holds."""
+        flat = to_flat(self)
+        return {k: flat[k] for k in FLEET_KEYS if flat[k]}
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Settings of a federated run (run-config key in brackets)."""
 
-    workload: str = "digits-cnn"  # [workload] built-in name or module:function
+    shape: RunShape = field(default_factory=RunShape)  # [workload] [local-steps]
+    #   [lr] [seed] [split] [dirichlet-alpha] [batch-size] [seq-len]: what every
+    #   client trains on (wire/shape.py)
     num_server_rounds: int = 5  # [num-server-rounds] training rounds
-    local_steps: int = 20  # [local-steps] optimizer steps per client per round
-    lr: float = 0.003  # [lr] client AdamW learning rate
-    split: str = "iid"  # [split] iid | dirichlet | natural
-    dirichlet_alpha: float = 0.5  # [dirichlet-alpha] label skew for split=dirichlet
-    seed: int = 0  # [seed] all randomness derives from it
     fraction_train: float = 1.0  # [fraction-train] share of nodes sampled per round
     min_nodes: int = 2  # [min-nodes] nodes to wait for before round 1
-    batch_size: int = 0  # [batch-size] 0: the workload's default
-    seq_len: int = 0  # [seq-len] 0: the workload's default
     out: str = "runs/flwr"  # [out] run folder
     round_timeout_s: float = field(default=600.0, metadata={"key": "round-timeout"})
     #   [round-timeout] seconds to wait for replies
@@ -49,32 +168,16 @@ class ServerConfig:
     client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
     #   measures in a child process when the node was given a budget
     resume: bool = False  # [resume] continue from the run folder's state/ subfolder
-    fleet_memory_budgets: str = ""  # [fleet-memory-budgets] comma-separated sizes by
-    #   partition id (simulation; a node's own memory-budget wins)
-    fleet_disk_budgets: str = ""  # [fleet-disk-budgets] same, for disk
-    fleet_speeds: str = ""  # [fleet-speeds] same, factors on the measured speed
-    fleet_availability: str = ""  # [fleet-availability] same, the probability that a
-    #   node is online in a round (simulation; an offline node is not sampled)
-    fleet_classes: str = ""  # [fleet-classes] device class index of every partition
-    #   (comma-separated, one per partition): a natural split follows the classes
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # [fleet-*] simulation
     strategy: str = "fleetfit"  # [strategy] fleetfit: every node trains what fits
     #   (plan, part, or evaluation only); exclude: the status quo, a node whose plain
     #   training step does not fit its budget takes no part
-    eval_runtime: str = "torch"  # [eval-runtime] torch | onnxruntime: the runtime of
-    #   the server's central evaluation (onnxruntime: the exported model, in process)
     eval_windows: int = EVAL_MAX_ITEMS  # [eval-windows] language models: held-out
     #   windows (of seq-len tokens) the central evaluation runs on each round
-    eval_only: str = "onnxruntime"  # [eval-only] onnxruntime | off: nodes too small
-    #   for any training evaluate the round's model (ONNX) on their data in a
-    #   torch-free process, or (off) only reply that nothing fits
-    export_onnx: str = "end"  # [export-onnx] end | every-round | off: write
-    #   model.onnx and export.json to the run folder
-    export_quantize: bool = False  # [export-quantize] also model.int8.onnx
-    dp_clipping_norm: float = 0.0  # [dp-clipping-norm] > 0: central differential
-    #   privacy: every update's change clipped to this L2 norm, uniform average
-    #   (server/privacy.py); nodes also clip before sending. 0: off
-    dp_noise_multiplier: float = 0.0  # [dp-noise-multiplier] Gaussian noise of
-    #   this many clipping norms on the sum of clipped changes
+    export: ExportConfig = field(default_factory=ExportConfig)  # [export-onnx]
+    #   [export-quantize] [eval-runtime] [eval-only]
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    #   [dp-clipping-norm] [dp-noise-multiplier]
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
@@ -87,23 +190,24 @@ class ServerConfig:
         def bad(key: str, value: Any, rule: str) -> ValueError:
             return ValueError(f"run-config {key}={value!r} is invalid: {rule}")
 
+        shape = self.shape
         if self.num_server_rounds < 1:
             raise bad("num-server-rounds", self.num_server_rounds, "must be at least 1")
-        if self.local_steps < 1:
-            raise bad("local-steps", self.local_steps, "must be at least 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise bad("lr", self.lr, "must be a positive number")
-        if self.split not in SPLITS:
-            raise bad("split", self.split, f"choose one of {', '.join(SPLITS)}")
-        if not self.dirichlet_alpha > 0:
-            raise bad("dirichlet-alpha", self.dirichlet_alpha, "must be > 0")
+        if shape.local_steps < 1:
+            raise bad("local-steps", shape.local_steps, "must be at least 1")
+        if not (math.isfinite(shape.lr) and shape.lr > 0):
+            raise bad("lr", shape.lr, "must be a positive number")
+        if shape.split not in SPLITS:
+            raise bad("split", shape.split, f"choose one of {', '.join(SPLITS)}")
+        if not shape.dirichlet_alpha > 0:
+            raise bad("dirichlet-alpha", shape.dirichlet_alpha, "must be > 0")
         if not 0 < self.fraction_train <= 1:
             raise bad("fraction-train", self.fraction_train, "must be in (0, 1]")
         if self.min_nodes < 1:
             raise bad("min-nodes", self.min_nodes, "must be at least 1")
-        if self.batch_size < 0 or self.seq_len < 0:
+        if shape.batch_size < 0 or shape.seq_len < 0:
             raise bad(
-                "batch-size/seq-len", (self.batch_size, self.seq_len), "must be >= 0"
+                "batch-size/seq-len", (shape.batch_size, shape.seq_len), "must be >= 0"
             )
         if self.min_replies < 0:
             raise bad("min-replies", self.min_replies, "must be >= 0")
@@ -111,65 +215,33 @@ class ServerConfig:
             raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
         if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
-        if self.eval_runtime not in ("torch", "onnxruntime"):
-            raise bad("eval-runtime", self.eval_runtime, "torch or onnxruntime")
+        export = self.export
+        if export.eval_runtime not in ("torch", "onnxruntime"):
+            raise bad("eval-runtime", export.eval_runtime, "torch or onnxruntime")
         if self.eval_windows < 1:
             raise bad("eval-windows", self.eval_windows, "must be at least 1")
-        if self.eval_only not in ("onnxruntime", "off"):
-            raise bad("eval-only", self.eval_only, "onnxruntime or off")
-        if self.export_onnx not in ("end", "every-round", "off"):
-            raise bad("export-onnx", self.export_onnx, "end, every-round or off")
+        if export.eval_only not in ("onnxruntime", "off"):
+            raise bad("eval-only", export.eval_only, "onnxruntime or off")
+        if export.onnx not in ("end", "every-round", "off"):
+            raise bad("export-onnx", export.onnx, "end, every-round or off")
         if self.client_measure not in MEASURES:
             raise bad("client-measure", self.client_measure, "auto, child or inline")
         try:
             parse_bytes(self.runtime_reserve, what="runtime-reserve", allow_zero=True)
-            for key, spec in (
-                (FLEET_MEMORY, self.fleet_memory_budgets),
-                (FLEET_DISK, self.fleet_disk_budgets),
-            ):
-                for item in split_list(spec):
-                    parse_bytes(item, what=key, allow_zero=key == FLEET_DISK)
-        except MemoryPlanError as e:
+        except ValueError as e:
             raise ValueError(str(e)) from None
-        for item in split_list(self.fleet_speeds):
-            try:
-                ok = float(item) > 0
-            except ValueError:
-                ok = False
-            if not ok:
-                raise bad(FLEET_SPEEDS, self.fleet_speeds, "positive numbers")
-        for item in split_list(self.fleet_availability):
-            try:
-                ok = 0 < float(item) <= 1
-            except ValueError:
-                ok = False
-            if not ok:
-                raise bad(
-                    "fleet-availability",
-                    self.fleet_availability,
-                    "probabilities in (0, 1], comma-separated",
-                )
-        if self.fleet_classes:
-            try:
-                classes = self.classes or (-1,)
-            except ValueError:
-                classes = (-1,)
-            if min(classes) < 0:
-                raise bad(
-                    "fleet-classes",
-                    self.fleet_classes,
-                    "class indices >= 0, one per partition, comma-separated",
-                )
+        _check_fleet(self.fleet)
+        privacy = self.privacy
         for key, value in (
-            ("dp-clipping-norm", self.dp_clipping_norm),
-            ("dp-noise-multiplier", self.dp_noise_multiplier),
+            ("dp-clipping-norm", privacy.clipping_norm),
+            ("dp-noise-multiplier", privacy.noise_multiplier),
         ):
             if not (value >= 0 and math.isfinite(value)):
                 raise bad(key, value, "must be a number >= 0")
-        if self.dp_noise_multiplier > 0 and not self.dp_clipping_norm > 0:
+        if privacy.noise_multiplier > 0 and not privacy.clipping_norm > 0:
             raise bad(
                 "dp-noise-multiplier",
-                self.dp_noise_multiplier,
+                privacy.noise_multiplier,
                 "needs dp-clipping-norm > 0 (noise is scaled by the clipping norm)",
             )
         if self.strategy not in STRATEGIES:
@@ -184,23 +256,13 @@ class ServerConfig:
     def to_run_config(self) -> dict[str, Any]:
         return to_flat(self)
 
-    @property
-    def classes(self) -> tuple[int, ...] | None:
-        """``fleet-classes`` as integers (None where not given)."""
-        return parse_classes(self.fleet_classes, what="run-config fleet-classes")
-
-    def availability(self, partition_id: int) -> float:
-        """The probability that partition ``partition_id``'s node is online a round."""
-        items = split_list(self.fleet_availability)
-        return float(items[partition_id % len(items)]) if items else 1.0
-
     def load_workload(self) -> Workload:
         """The run's workload with its batch, sequence and evaluation settings
         (``WorkloadError``, a ``ValueError``, naming what is wrong)."""
         return get_workload(
-            self.workload,
-            batch_size=self.batch_size or None,
-            seq_len=self.seq_len or None,
+            self.shape.workload,
+            batch_size=self.shape.batch_size or None,
+            seq_len=self.shape.seq_len or None,
             eval_windows=self.eval_windows,
         )
 
@@ -213,14 +275,23 @@ class ServerConfig:
         """Seconds of local training a node may spend per round."""
         return self.train_time_s or self.round_timeout_s / 2
 
-    def fleet(self) -> dict[str, str]:
-        """The fleet description sent with queries (non-empty keys only)."""
-        return {
-            k: v
-            for k, v in (
-                (FLEET_MEMORY, self.fleet_memory_budgets),
-                (FLEET_DISK, self.fleet_disk_budgets),
-                (FLEET_SPEEDS, self.fleet_speeds),
+
+def _check_fleet(fleet: FleetConfig) -> None:
+    """A fleet built in Python passes the parser a run config passes: each list,
+    written as its run-config string, must read back as itself (a bad entry, or a
+    size string where bytes belong, fails naming the key)."""
+    for f in fields(FleetConfig):
+        if not isinstance(getattr(fleet, f.name), tuple):
+            raise ValueError(
+                f"run-config {flat_key(f)}={getattr(fleet, f.name)!r} is invalid: "
+                "give a tuple, one entry per partition"
             )
-            if v
-        }
+    flat = to_flat(fleet)
+    parsed = from_flat(FleetConfig, flat, what="run-config")
+    for f in fields(FleetConfig):
+        given, want = getattr(fleet, f.name), getattr(parsed, f.name)
+        if given != want:
+            raise ValueError(
+                f"run-config {flat_key(f)}={flat[flat_key(f)]!r} is invalid: give "
+                f"the entries as parsed, {want!r}, not {given!r}"
+            )

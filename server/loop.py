@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,7 +50,7 @@ class Federation:
         self.cfg = cfg
         self.transport = transport
         self.workload = cfg.load_workload()
-        self.model = self.workload.make_model(cfg.seed)
+        self.model = self.workload.make_model(cfg.shape.seed)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
@@ -57,7 +58,7 @@ class Federation:
         self.assigner = Assigner(
             self.workload,
             self.model,
-            local_steps=cfg.local_steps,
+            local_steps=cfg.shape.local_steps,
             runtime_reserve_bytes=cfg.reserve_bytes,
             train_time_s=cfg.train_time,
             strategy=cfg.strategy,
@@ -65,7 +66,7 @@ class Federation:
         self.start_round = 1
         self.summary: dict[str, Any] = {
             "schema": persist.SCHEMA_VERSION,
-            "workload": cfg.workload,
+            "workload": cfg.shape.workload,
             "metric_name": self.workload.metric_name,
             "config": cfg.to_run_config(),
             "rounds": [],
@@ -124,7 +125,7 @@ class Federation:
         k = max(1, round(self.cfg.fraction_train * len(known)))
         if k >= len(known):
             return known
-        rng = np.random.default_rng([self.cfg.seed, server_round])
+        rng = np.random.default_rng([self.cfg.shape.seed, server_round])
         pick = sorted(rng.choice(len(known), size=k, replace=False))
         return [known[i] for i in pick]
 
@@ -134,10 +135,10 @@ class Federation:
     def _online(self, node_id: int, server_round: int) -> bool:
         """A seeded draw per (round, partition) against its ``fleet-availability``."""
         pid = self._partition(node_id)
-        p = self.cfg.availability(pid)
+        p = self.cfg.fleet.online_probability(pid)
         if p >= 1.0:
             return True
-        u = np.random.default_rng([self.cfg.seed, server_round, pid, 1]).random()
+        u = np.random.default_rng([self.cfg.shape.seed, server_round, pid, 1]).random()
         return bool(u < p)
 
     # ------------------------------------------------------------ rounds
@@ -147,7 +148,7 @@ class Federation:
             self._resume()
         log.info(
             "fleetfit server: %s for rounds %d..%d, waiting for %d nodes",
-            cfg.workload,
+            cfg.shape.workload,
             self.start_round,
             cfg.num_server_rounds,
             cfg.min_nodes,
@@ -178,7 +179,7 @@ class Federation:
         except RuntimeError as e:  # keys or shapes of another model
             raise ValueError(
                 f"cannot resume {self.out}: its saved model does not fit "
-                f"{self.cfg.workload} ({str(e).splitlines()[0][:200]})"
+                f"{self.cfg.shape.workload} ({str(e).splitlines()[0][:200]})"
             ) from None
         summary["config"] = self.cfg.to_run_config()
         self.summary = summary
@@ -229,7 +230,7 @@ class Federation:
         )
         changed = len(accepted) >= max(1, cfg.min_replies)
         dp_record: dict[str, Any] | None = None
-        if changed and cfg.dp_clipping_norm > 0:
+        if changed and cfg.privacy.clipping_norm > 0:
             counts = privacy.expected_counts(
                 (
                     self._expected_keys(a)
@@ -241,8 +242,8 @@ class Federation:
             new_state, dp_record = privacy.private_average(
                 accepted,
                 reference,
-                clipping_norm=cfg.dp_clipping_norm,
-                noise_multiplier=cfg.dp_noise_multiplier,
+                clipping_norm=cfg.privacy.clipping_norm,
+                noise_multiplier=cfg.privacy.noise_multiplier,
                 counts=counts,
             )
             self.model.load_state_dict(new_state)
@@ -307,15 +308,8 @@ class Federation:
         cfg = self.cfg
         ins = TrainInstruction(
             server_round=server_round,
-            workload=cfg.workload,
-            local_steps=a.local_steps,
-            lr=cfg.lr,
-            seed=cfg.seed,
-            split=cfg.split,
-            dirichlet_alpha=cfg.dirichlet_alpha,
-            classes=cfg.fleet_classes,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
+            shape=replace(cfg.shape, local_steps=a.local_steps),
+            classes=cfg.fleet.classes,
             kind=a.kind,
             plan=a.plan.to_json() if a.plan is not None else "",
             window_start=a.window[0] if a.window else 0,
@@ -326,8 +320,8 @@ class Federation:
             eval_runtime=eval_runtime,
         )
         config = ConfigRecord(dict(ins.to_config()))
-        if cfg.dp_clipping_norm > 0:  # nodes clip too (client.app's clipping_mod)
-            config[privacy.KEY_CLIPPING_NORM] = cfg.dp_clipping_norm
+        if cfg.privacy.clipping_norm > 0:  # nodes clip too (client.app's clipping_mod)
+            config[privacy.KEY_CLIPPING_NORM] = cfg.privacy.clipping_norm
         return config
 
     def _assignment_record(
@@ -425,7 +419,7 @@ class Federation:
             state,
             {
                 "fleetfit-schema": str(persist.SCHEMA_VERSION),
-                "workload": self.cfg.workload,
+                "workload": self.cfg.shape.workload,
                 "round": str(server_round),
                 "settings": json.dumps(self.cfg.to_run_config(), sort_keys=True),
             },

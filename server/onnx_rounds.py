@@ -62,7 +62,7 @@ class OnnxRounds:
     # ------------------------------------------------------------ central
     def central_metrics(self, model: nn.Module) -> dict[str, float]:
         """Held-out metrics of ``model`` in the configured runtime."""
-        if self.cfg.eval_runtime == "torch":
+        if self.cfg.export.eval_runtime == "torch":
             return self.workload.evaluate(model)
         if self.workload.kind not in ("image", "lm"):
             raise ValueError(
@@ -82,7 +82,7 @@ class OnnxRounds:
         """The arrays of a ``none`` node's instruction: the round's model as ONNX
         bytes when evaluation-only work is on, else none (empty)."""
         if (
-            self.cfg.eval_only == "off"
+            self.cfg.export.eval_only == "off"
             or self.cfg.strategy == "exclude"  # the status quo: excluded nodes idle
             or self.workload.kind not in ("image", "lm")
         ):
@@ -160,8 +160,8 @@ class OnnxRounds:
     def after_round(self, model: nn.Module, server_round: int) -> dict[str, Any] | None:
         """Export to the run folder when this round calls for it."""
         last = server_round == self.cfg.num_server_rounds
-        if self.cfg.export_onnx == "off" or (
-            self.cfg.export_onnx == "end" and not last
+        if self.cfg.export.onnx == "off" or (
+            self.cfg.export.onnx == "end" and not last
         ):
             return None
         try:
@@ -169,7 +169,7 @@ class OnnxRounds:
                 model,
                 self.workload,
                 self.out / ONNX_FILE,
-                quantize=self.cfg.export_quantize,
+                quantize=self.cfg.export.quantize,
                 extra={"round": server_round},
             )
         except (ExportError, ValueError, RuntimeError) as e:

@@ -26,12 +26,13 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from server.config import ServerConfig
+from server.config import ExportConfig, ServerConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
 from workloads import Workload, get_workload
@@ -65,9 +66,9 @@ def check_strategies(names: Sequence[str]) -> list[str]:
 
 def base_workload(fleet: Fleet) -> Workload:
     return get_workload(
-        fleet.workload,
-        batch_size=fleet.batch_size or None,
-        seq_len=fleet.seq_len or None,
+        fleet.shape.workload,
+        batch_size=fleet.shape.batch_size or None,
+        seq_len=fleet.shape.seq_len or None,
     )
 
 
@@ -133,31 +134,17 @@ def settings_for(
     if set(engine) - allowed:
         raise TypeError(f"unknown engine option(s) {sorted(set(engine) - allowed)}")
     return SimulationSettings(
-        workload=workload or fleet.workload,
+        shape=replace(fleet.shape, workload=workload or fleet.shape.workload),
         num_clients=fleet.clients,
-        rounds=fleet.rounds,
-        local_steps=fleet.local_steps,
-        lr=fleet.lr,
-        split=fleet.split,
-        dirichlet_alpha=fleet.alpha,
+        num_server_rounds=fleet.rounds,
         fraction_train=fleet.fraction,
-        seed=fleet.seed,
         out=str(out),
-        batch_size=fleet.batch_size,
-        seq_len=fleet.seq_len,
-        memory_budgets=tuple(str(b) for b in fleet.budgets),
-        disk_budgets=tuple(
-            str(fleet.classes[k].disk_bytes) for k in fleet.partition_class
-        ),
-        speeds=tuple(fleet.classes[k].speed for k in fleet.partition_class),
-        availability=tuple(
-            fleet.classes[k].availability for k in fleet.partition_class
-        ),
-        classes=fleet.partition_class if fleet.split == "natural" else (),
+        fleet=fleet.fleet_config(),
         strategy="fleetfit" if strategy == "fleetfit" else "exclude",
-        eval_only="onnxruntime" if strategy == "fleetfit" else "off",
+        export=ExportConfig(
+            onnx="off", eval_only="onnxruntime" if strategy == "fleetfit" else "off"
+        ),
         eval_windows=fleet.eval_windows,
-        export_onnx="off",
         **engine,
     )
 
@@ -290,7 +277,7 @@ def summarize(
         }
     values = [r[metric] for r in summary["rounds"] if r.get(metric) is not None]
     return {
-        "workload": workload or fleet.workload,
+        "workload": workload or fleet.shape.workload,
         "participation": contributed_all / sampled_all if sampled_all else 0.0,
         "data_share": sum(sizes[p] for p in contributed_any) / total if total else 0.0,
         "final_metric": values[-1] if values else None,
@@ -318,10 +305,10 @@ def partition_sizes(fleet: Fleet, wl: Workload) -> list[int]:
     parts = split_indices(
         items.groups,
         fleet.clients,
-        fleet.split,
-        seed=fleet.seed,
-        alpha=fleet.alpha,
-        classes=fleet.partition_class if fleet.split == "natural" else None,
+        fleet.shape.split,
+        seed=fleet.shape.seed,
+        alpha=fleet.shape.dirichlet_alpha,
+        classes=fleet.partition_class if fleet.shape.split == "natural" else None,
     )
     return [len(p) for p in parts]
 
@@ -343,9 +330,9 @@ def class_eval(
     if not path.exists():
         return {}
     trained = get_workload(
-        workload or fleet.workload,
-        batch_size=fleet.batch_size or None,
-        seq_len=fleet.seq_len or None,
+        workload or fleet.shape.workload,
+        batch_size=fleet.shape.batch_size or None,
+        seq_len=fleet.shape.seq_len or None,
     )
     model = trained.make_model(0)
     state, _ = load_model(path)
@@ -366,7 +353,7 @@ def class_eval(
                 out[c.name] = evaluate_batches(model, batches, trained.loss_fn)[metric]
         return out
     test = wl.items(train=False)
-    if fleet.split == "natural":
+    if fleet.shape.split == "natural":
         owner = class_groups(wl.items(train=True).groups, fleet.partition_class)
         for k, c in enumerate(fleet.classes):
             mine = [g for g, o in owner.items() if o == k]

@@ -45,6 +45,8 @@ import numpy as np
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
+from server.config import FleetConfig
+from wire.shape import RunShape
 from workloads.registry import EVAL_MAX_ITEMS
 from workloads.splits import SPLITS
 
@@ -100,21 +102,27 @@ class Fleet:
     name: str
     classes: tuple[DeviceClass, ...]
     clients: int
+    shape: RunShape  # workload, local_steps, lr, seed, split, alpha as the file sets
+    #   them (the file's own defaults: 5 local steps, a natural split)
     rounds: int = 5
     fraction: float = 1.0
-    local_steps: int = 5
-    seed: int = 0
-    workload: str = "digits-cnn"
-    batch_size: int = 0  # 0: the workload's default
-    seq_len: int = 0
     eval_windows: int = EVAL_MAX_ITEMS  # language models: held-out windows per round
-    lr: float = 0.003
-    split: str = "natural"
-    alpha: float = 0.5
     description: str = ""
     file: str = ""
     partition_class: tuple[int, ...] = field(default=())  # class index per device
     budgets: tuple[int, ...] = field(default=())  # memory budget per device, bytes
+
+    def fleet_config(self) -> FleetConfig:
+        """Every device's memory, disk, speed and availability by partition id, and
+        its class where the split is natural (the run config's ``fleet-*`` lists)."""
+        per = [self.classes[k] for k in self.partition_class]
+        return FleetConfig(
+            memory_budgets=self.budgets,
+            disk_budgets=tuple(c.disk_bytes for c in per),
+            speeds=tuple(c.speed for c in per),
+            availability=tuple(c.availability for c in per),
+            classes=self.partition_class if self.shape.split == "natural" else (),
+        )
 
     def class_counts(self) -> list[int]:
         return [self.partition_class.count(i) for i in range(len(self.classes))]
@@ -140,13 +148,13 @@ class Fleet:
         return {
             "name": self.name,
             "file": self.file,
-            "workload": self.workload,
+            "workload": self.shape.workload,
             "clients": self.clients,
             "rounds": self.rounds,
             "fraction": self.fraction,
-            "local_steps": self.local_steps,
-            "seed": self.seed,
-            "split": self.split,
+            "local_steps": self.shape.local_steps,
+            "seed": self.shape.seed,
+            "split": self.shape.split,
             "classes": classes,
             "partition_class": [self.classes[k].name for k in self.partition_class],
         }
@@ -267,17 +275,19 @@ def parse_fleet(data: dict[str, Any], file: str = "") -> Fleet:
         name=name,
         classes=classes,
         clients=clients,
+        shape=RunShape(
+            workload=workload,
+            local_steps=local_steps,
+            lr=lr,
+            seed=seed,
+            split=kind,
+            dirichlet_alpha=alpha,
+            batch_size=batch,
+            seq_len=seq,
+        ),
         rounds=rounds,
         fraction=fraction,
-        local_steps=local_steps,
-        seed=seed,
-        workload=workload,
-        batch_size=batch,
-        seq_len=seq,
         eval_windows=eval_windows,
-        lr=lr,
-        split=kind,
-        alpha=alpha,
         description=str(data.get("description", "")),
         file=file,
         partition_class=partition_class,

@@ -2,92 +2,83 @@
 
 Example:
     >>> from simulations.run import SimulationSettings, simulate
-    >>> summary = simulate(SimulationSettings(num_clients=10, rounds=5, out="runs/demo"))
+    >>> from wire.shape import RunShape
+    >>> summary = simulate(
+    ...     SimulationSettings(
+    ...         shape=RunShape(local_steps=10), num_clients=10, out="runs/demo"
+    ...     )
+    ... )
 
-A fleet with its own budgets (entry ``partition-id mod count``; see
+A fleet with its own budgets (bytes, entry ``partition-id mod count``; see
 docs/federation.md): each client's peak is then measured in a child process.
 
-    >>> simulate(SimulationSettings(num_clients=3, memory_budgets=("1GB", "200MB")))
+    >>> from memory.sizes import parse_bytes
+    >>> from server.config import FleetConfig
+    >>> budgets = tuple(parse_bytes(s) for s in ("1GB", "200MB"))
+    >>> simulate(
+    ...     SimulationSettings(
+    ...         num_clients=3, fleet=FleetConfig(memory_budgets=budgets)
+    ...     )
+    ... )
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.config import ServerConfig
+from server.config import ExportConfig, FleetConfig, ServerConfig
 from simulations.progress import RoundProgress
-from workloads.registry import EVAL_MAX_ITEMS
+from wire.shape import RunShape
 
 log = logging.getLogger(__name__)
+
+_SERVER = ServerConfig()  # the run config's defaults, which a simulation keeps
 
 
 @dataclass(frozen=True)
 class SimulationSettings:
-    """A simulated federation: the server's settings plus the fleet's size."""
+    """A simulated federation: the server's settings plus the fleet's size.
 
-    workload: str = "digits-cnn"  # built-in name or module:function
+    The run's shape, the fleet and the export are the server's own sub-configs
+    (``ServerConfig.shape``, ``.fleet``, ``.export``): one name and one default each.
+    """
+
+    shape: RunShape = field(default_factory=RunShape)  # what every client trains on
     num_clients: int = 10  # virtual SuperNodes
-    rounds: int = 5  # federated rounds
-    local_steps: int = 20  # optimizer steps per client per round
-    lr: float = 0.003  # client AdamW learning rate
-    split: str = "iid"  # iid | dirichlet | natural
-    dirichlet_alpha: float = 0.5
-    fraction_train: float = 1.0  # share of clients sampled per round
-    seed: int = 0
+    num_server_rounds: int = _SERVER.num_server_rounds  # [num-server-rounds]
+    fraction_train: float = _SERVER.fraction_train  # [fraction-train] share of
+    #   clients sampled per round
     out: str = "runs/simulation"  # run folder
     cpus_per_client: float = 1.0  # Ray resources per client actor
-    batch_size: int = 0  # 0: the workload's default
-    seq_len: int = 0  # 0: the workload's default
-    memory_budgets: tuple[str, ...] = ()  # sizes ("512MB") by partition id, entry
-    #   partition-id mod count [fleet-memory-budgets]; (): each node uses 50% of the
-    #   memory it measures
-    disk_budgets: tuple[str, ...] = ()  # same, for offload and streaming ("0": none)
-    #   [fleet-disk-budgets]
-    client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
-    #   measures peaks in a child process for nodes given a budget
-    speeds: tuple[float, ...] = ()  # relative compute speed by partition id (same
-    #   rule) [fleet-speeds]
-    availability: tuple[float, ...] = ()  # probability that a partition's device is
-    #   online in a round [fleet-availability]
-    classes: tuple[int, ...] = ()  # device class of every partition: a natural split
-    #   follows them [fleet-classes]
-    strategy: str = "fleetfit"  # fleetfit | exclude [strategy]
-    eval_only: str = "onnxruntime"  # [eval-only]
-    eval_windows: int = EVAL_MAX_ITEMS  # [eval-windows] language models: held-out
-    #   windows of the central evaluation
-    export_onnx: str = "end"  # [export-onnx]
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # [fleet-*] by
+    #   partition id; no memory budgets: each node uses 50% of the memory it measures
+    client_measure: str = _SERVER.client_measure  # [client-measure] auto | child |
+    #   inline: auto measures peaks in a child process for nodes given a budget
+    strategy: str = _SERVER.strategy  # [strategy] fleetfit | exclude
+    eval_windows: int = _SERVER.eval_windows  # [eval-windows] language models:
+    #   held-out windows of the central evaluation
+    export: ExportConfig = field(default_factory=ExportConfig)  # [export-onnx]
+    #   [export-quantize] [eval-runtime] [eval-only]
     progress: bool = False  # a progress bar on stderr, one step per round
     ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
     #   start a local Ray on this machine
 
     def server_config(self) -> ServerConfig:
         cfg = ServerConfig(
-            workload=self.workload,
-            num_server_rounds=self.rounds,
-            local_steps=self.local_steps,
-            lr=self.lr,
-            split=self.split,
-            dirichlet_alpha=self.dirichlet_alpha,
-            seed=self.seed,
+            shape=self.shape,
+            num_server_rounds=self.num_server_rounds,
             fraction_train=self.fraction_train,
             min_nodes=self.num_clients,
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
             out=self.out,
             client_measure=self.client_measure,
-            fleet_memory_budgets=_fleet_list("memory_budgets", self.memory_budgets),
-            fleet_disk_budgets=_fleet_list("disk_budgets", self.disk_budgets),
-            fleet_speeds=",".join(f"{x:g}" for x in self.speeds),
-            fleet_availability=",".join(f"{x:g}" for x in self.availability),
-            fleet_classes=",".join(str(int(c)) for c in self.classes),
+            fleet=self.fleet,
             strategy=self.strategy,
-            eval_only=self.eval_only,
             eval_windows=self.eval_windows,
-            export_onnx=self.export_onnx,
+            export=self.export,
         )
         cfg.validate()
         return cfg
@@ -99,9 +90,10 @@ class SimulationSettings:
         if not self.cpus_per_client > 0:
             raise ValueError(f"cpus_per_client={self.cpus_per_client} must be > 0")
         cfg = self.server_config()
+        fleet = self.fleet
         for name, spec in (
-            ("memory_budgets", self.memory_budgets),
-            ("disk_budgets", self.disk_budgets),
+            ("memory_budgets", fleet.memory_budgets),
+            ("disk_budgets", fleet.disk_budgets),
         ):
             if len(spec) > self.num_clients:
                 log.warning(
@@ -113,9 +105,9 @@ class SimulationSettings:
                 )
         wl = cfg.load_workload()
         # The data must divide across the clients (raises a WorkloadError naming both).
-        if self.classes and len(self.classes) != self.num_clients:
+        if fleet.classes and len(fleet.classes) != self.num_clients:
             raise ValueError(
-                f"classes has {len(self.classes)} entries for {self.num_clients} "
+                f"classes has {len(fleet.classes)} entries for {self.num_clients} "
                 "clients: give one class index per client"
             )
         if wl.own_data:  # its load_data answers for the first client, up front
@@ -125,28 +117,12 @@ class SimulationSettings:
             wl.client_items(
                 0,
                 self.num_clients,
-                self.split,
-                seed=self.seed,
-                alpha=self.dirichlet_alpha,
-                classes=self.classes or None,
+                self.shape.split,
+                seed=self.shape.seed,
+                alpha=self.shape.dirichlet_alpha,
+                classes=fleet.classes or None,
             )
         return cfg
-
-
-def _fleet_list(name: str, sizes: tuple[str, ...]) -> str:
-    """The comma-separated run-config value of a per-partition list of sizes."""
-    if isinstance(sizes, str):
-        raise ValueError(
-            f"{name}={sizes!r} must be a tuple of sizes, one per partition, "
-            f"e.g. ({sizes!r},)"
-        )
-    for size in sizes:
-        if not isinstance(size, str) or "," in size or not size.strip():
-            raise ValueError(
-                f"{name} entry {size!r} must be one size such as '512MB' "
-                "(give a tuple of strings, one per partition)"
-            )
-    return ",".join(s.strip() for s in sizes)
 
 
 def simulate(settings: SimulationSettings) -> dict[str, Any]:
@@ -161,13 +137,13 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
     from server.app import make_app
     from server.persist import SUMMARY_FILE
 
-    if ":" in settings.workload:
+    if ":" in settings.shape.workload:
         # Simulated nodes run what the user who starts the simulation named (a real
         # SuperNode allows custom workloads only through its own node config).
         allowed = os.environ.get(ALLOW_WORKLOADS_ENV, "")
-        if settings.workload not in allowed.split(","):
+        if settings.shape.workload not in allowed.split(","):
             os.environ[ALLOW_WORKLOADS_ENV] = ",".join(
-                x for x in (allowed, settings.workload) if x
+                x for x in (allowed, settings.shape.workload) if x
             )
     Path(settings.out).mkdir(parents=True, exist_ok=True)
     init_args: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
@@ -178,7 +154,7 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
         "init_args": init_args,
     }
     bar = (
-        RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.rounds)
+        RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.num_server_rounds)
         if settings.progress
         else None
     )
@@ -201,9 +177,9 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
     import json
 
     summary: dict[str, Any] = json.loads(summary_path.read_text())
-    if len(summary.get("rounds", [])) != settings.rounds:
+    if len(summary.get("rounds", [])) != settings.num_server_rounds:
         raise RuntimeError(
             f"the simulation completed {len(summary.get('rounds', []))} of "
-            f"{settings.rounds} rounds: see the log above"
+            f"{settings.num_server_rounds} rounds: see the log above"
         )
     return summary

@@ -75,6 +75,7 @@ def test_export_custom_workload_checkpoint(tmp_path, monkeypatch, capsys):
 
     from server import persist
     from server.config import ServerConfig
+    from wire.shape import RunShape
 
     (tmp_path / "ff_cli_gpt2.py").write_text(GPT2_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -82,7 +83,8 @@ def test_export_custom_workload_checkpoint(tmp_path, monkeypatch, capsys):
     spec = "ff_cli_gpt2:build"
     model = get_workload(spec).make_model(3)
     ckpt = tmp_path / "run" / persist.MODEL_FILE
-    settings = ServerConfig(workload=spec, batch_size=4, seq_len=16).to_run_config()
+    shape = RunShape(workload=spec, batch_size=4, seq_len=16)
+    settings = ServerConfig(shape=shape).to_run_config()
     persist.save_model(  # as server.loop.Federation._save writes it
         ckpt,
         model.state_dict(),

@@ -2,7 +2,11 @@
 
 - ``wire.keys``: the record names and every key a message carries;
 - ``wire.flat``: the one parser of Flower's flat kebab-case keys into a frozen
-  dataclass (the run config, the train instruction);
+  dataclass (the run config, the train instruction), sub-configs flattened and
+  comma-separated lists read once into typed tuples;
+- ``wire.shape``: the run's shape (``RunShape``: workload, local steps, lr, seed,
+  split, batch and sequence), the one record of it from the simulation settings to
+  the train instruction;
 - ``wire.instruction``: what a client is asked to do (``TrainInstruction``) and the
   rule that picks how its peak is measured;
 - ``wire.facts``: what a node says of itself in reply to a query (``NodeFacts``) and

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wire.flat import from_flat, to_flat
+from wire.shape import RunShape
 
 KINDS = ("full", "part", "none")
 MEASURES = ("auto", "child", "inline")
@@ -21,15 +22,10 @@ class TrainInstruction:
     """
 
     server_round: int = 1  # 1-based round number
-    workload: str = "digits-cnn"  # built-in name or module:function
-    local_steps: int = 20  # optimizer steps on local data
-    lr: float = 0.003  # AdamW learning rate
-    seed: int = 0  # run seed; batch order from (seed, round, partition)
-    split: str = "iid"  # iid | dirichlet | natural
-    dirichlet_alpha: float = 0.5
-    classes: str = ""  # natural split by device class: class index of every partition
-    batch_size: int = 0  # 0: the workload's default
-    seq_len: int = 0  # 0: the workload's default (language models)
+    shape: RunShape = field(default_factory=RunShape)  # the run's shape, with this
+    #   node's local_steps (a slow node gets fewer)
+    classes: tuple[int, ...] = ()  # natural split by device class: class index of
+    #   every partition (sent as "0,0,1"); (): the split ignores device classes
     kind: str = "full"  # full | part | none
     plan: str = ""  # MemoryPlan JSON of the trained chain ("": plain training)
     window_start: int = 0  # part: first trained block (index into the model's blocks)
@@ -49,11 +45,6 @@ class TrainInstruction:
         """The trained window of a ``part`` assignment (None: the whole model)."""
         return (self.window_start, self.window_stop) if self.kind == "part" else None
 
-    @property
-    def class_list(self) -> tuple[int, ...] | None:
-        """``classes`` as integers (None: the split ignores device classes)."""
-        return parse_classes(self.classes, what="train instruction classes")
-
     @classmethod
     def from_config(cls, config: dict) -> TrainInstruction:
         """Parse a ``config`` record; missing keys take the defaults above."""
@@ -69,22 +60,6 @@ class TrainInstruction:
                 f"train instruction measure={ins.measure!r}: one of {MEASURES}"
             )
         return ins
-
-
-def parse_classes(spec: str, *, what: str) -> tuple[int, ...] | None:
-    """A comma-separated list of device class indices (None where empty).
-
-    Raises:
-        ValueError: an entry that is not an integer, naming ``what``.
-    """
-    if not spec.strip():
-        return None
-    try:
-        return tuple(int(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(
-            f"{what}={spec[:80]!r} must be comma-separated integers"
-        ) from None
 
 
 def resolve_measure(requested: str, budget_source: str | None) -> str:
@@ -105,6 +80,5 @@ __all__ = [
     "KINDS",
     "MEASURES",
     "TrainInstruction",
-    "parse_classes",
     "resolve_measure",
 ]

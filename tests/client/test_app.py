@@ -14,6 +14,7 @@ from flwr.app import (
 from client.app import app
 from tests import fakes  # noqa: F401  (sets Flower's task identity)
 from wire.instruction import TrainInstruction
+from wire.shape import RunShape
 from workloads import get_workload
 
 
@@ -27,14 +28,7 @@ def train_msg(workload="digits-mlp", **kw):
     model = get_workload(workload).make_model(0)
     ins = TrainInstruction(
         server_round=1,
-        workload=workload,
-        local_steps=3,
-        lr=0.01,
-        seed=0,
-        split="iid",
-        dirichlet_alpha=0.5,
-        batch_size=0,
-        seq_len=0,
+        shape=RunShape(workload=workload, local_steps=3, lr=0.01),
         measure="inline",
     )
     config = {**ins.to_config(), **kw}

@@ -188,9 +188,10 @@ def uninterrupted(out: str, budgets: list[str]) -> None:
     """The deployment test's federation in one process through the real transport:
     three devices, the third silent from round 2 on, the server never stopped."""
     from client.app import app as client_app
-    from server.config import ServerConfig
+    from server.config import ExportConfig, ServerConfig
     from tests.server.grid import FakeGrid
     from tests.server.test_federation import federate
+    from wire.shape import RunShape
 
     class ThirdDiesAfterRound1(FakeGrid):
         def _deliver(self, msg):
@@ -201,13 +202,12 @@ def uninterrupted(out: str, budgets: list[str]) -> None:
             return super()._deliver(msg)
 
     cfg = ServerConfig(
-        workload="digits-cnn",
+        shape=RunShape(workload="digits-cnn", local_steps=10),
         num_server_rounds=3,
         min_nodes=3,
-        local_steps=10,
         round_timeout_s=240.0,
         out=out,
-        export_onnx="off",
+        export=ExportConfig(onnx="off"),
     )
     nodes = {
         2000 + i: (

@@ -32,6 +32,7 @@ from client.config import (
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, federate, nodes
 from wire.instruction import TrainInstruction
+from wire.shape import RunShape
 
 JOB = textwrap.dedent(
     """
@@ -71,14 +72,7 @@ def ctx(node_config):
 def train_msg(workload: str) -> Message:
     ins = TrainInstruction(
         server_round=1,
-        workload=workload,
-        local_steps=2,
-        lr=0.01,
-        seed=0,
-        split="iid",
-        dirichlet_alpha=0.5,
-        batch_size=0,
-        seq_len=0,
+        shape=RunShape(workload=workload, local_steps=2, lr=0.01),
         measure="inline",
     )
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))  # fleetjob's, unimported

@@ -132,8 +132,8 @@ def test_run_configs_parse_or_fail_naming_the_key(run_config):
     except ValueError as e:
         assert any(k in str(e) for k in run_config), str(e)
     else:
-        assert cfg.num_server_rounds >= 1 and cfg.local_steps >= 1
-        assert math.isfinite(cfg.lr) and cfg.lr > 0
+        assert cfg.num_server_rounds >= 1 and cfg.shape.local_steps >= 1
+        assert math.isfinite(cfg.shape.lr) and cfg.shape.lr > 0
         assert ServerConfig.from_run_config(cfg.to_run_config()) == cfg
 
 

@@ -40,11 +40,13 @@ from flwr.supercore.differential_privacy import compute_stdv
 import client.app as ca
 from server import privacy
 from server.aggregate import Update
+from server.config import FleetConfig, PrivacyConfig
 from server.persist import load_model
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, digits_mins, federate, nodes
 from wire import keys as wire_keys
 from wire.instruction import TrainInstruction
+from wire.shape import RunShape
 from workloads import get_workload
 
 
@@ -191,7 +193,11 @@ def test_clipping_mod_equals_flowers_fixedclipping_mod_on_a_full_update():
 def test_clipping_mod_clips_a_part_window_that_flowers_mod_refuses():
     model = get_workload("digits-cnn").make_model(0)
     ins = TrainInstruction(
-        kind="part", window_start=1, window_stop=2, local_steps=3, measure="inline"
+        shape=RunShape(local_steps=3),
+        kind="part",
+        window_start=1,
+        window_stop=2,
+        measure="inline",
     ).to_config()
     config = {**ins, privacy.KEY_CLIPPING_NORM: 0.01}
     ours = call(ca.app, train_message(model, config))
@@ -298,10 +304,11 @@ def test_fleetfits_loop_with_private_averaging_mixed_full_and_part(tmp_path):
     cfg = config(
         tmp_path,
         norm_bound=0.0,
-        fleet_memory_budgets=f"{10 * whole_min},{(head_min + whole_min) // 2}",
-        fleet_disk_budgets="0",
-        dp_clipping_norm=clip,
-        dp_noise_multiplier=0.0,
+        fleet=FleetConfig(
+            memory_budgets=(10 * whole_min, (head_min + whole_min) // 2),
+            disk_budgets=(0,),
+        ),
+        privacy=PrivacyConfig(clipping_norm=clip, noise_multiplier=0.0),
     )
     summary = federate(cfg, FakeGrid(nodes(2)))
     previous = get_workload("digits-cnn").make_model(0).state_dict()

@@ -27,6 +27,7 @@ from memory.blocks import as_blocks
 from memory.spec import BlockPlan, MemoryPlan
 from tests.server.grid import FakeGrid
 from wire.instruction import TrainInstruction
+from wire.shape import RunShape
 from workloads import get_workload
 
 BASE = {"partition-id": 0, "num-partitions": 2}
@@ -81,7 +82,7 @@ def read_only_dir(tmp_path):
 def _train_message(plan: MemoryPlan) -> Message:
     wl = get_workload("digits-cnn")
     ins = TrainInstruction(
-        local_steps=2,
+        shape=RunShape(local_steps=2),
         kind="full",
         plan=json.dumps(plan.to_dict()),
         measure="inline",

@@ -16,6 +16,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
+from server.config import ExportConfig
 from server.persist import load_model, load_state
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, federate, nodes
@@ -139,7 +140,7 @@ def test_soak_random_faults_lose_nothing(tmp_path):
         local_steps=2,
         min_nodes=MIN_ALIVE,
         round_timeout_s=30.0,
-        export_onnx="off",
+        export=ExportConfig(onnx="off"),
         seed=SEED,
     )
     grid = SoakGrid()

@@ -10,10 +10,11 @@ import pytest
 
 from client.app import app as client_app
 from server.app import FlowerTransport
-from server.config import ServerConfig
+from server.config import ExportConfig, FleetConfig, ServerConfig
 from server.loop import Federation
 from server.persist import load_model
 from tests.server.grid import FakeGrid
+from wire.shape import RunShape
 from workloads import get_workload
 
 
@@ -24,18 +25,18 @@ def test_eval_only_nodes_are_counted_with_their_peak(tmp_path):
         for i in range(n)
     }
     cfg = ServerConfig(
+        shape=RunShape(local_steps=5),
         num_server_rounds=2,
-        local_steps=5,
         min_nodes=1,
         out=str(tmp_path / "run"),
         client_measure="inline",
         runtime_reserve="0",
-        fleet_memory_budgets="1GB,1GB,1kB",  # the last fits no part: evaluation only
-        fleet_disk_budgets="0",
-        eval_runtime="onnxruntime",
-        export_quantize=True,
+        # the last fits no part: evaluation only
+        fleet=FleetConfig(memory_budgets=(10**9, 10**9, 1000), disk_budgets=(0,)),
+        export=ExportConfig(eval_runtime="onnxruntime", quantize=True),
     )
-    fed = Federation(cfg, FlowerTransport(FakeGrid(nodes), query_config=cfg.fleet()))
+    transport = FlowerTransport(FakeGrid(nodes), query_config=cfg.fleet.to_query())
+    fed = Federation(cfg, transport)
     summary = fed.run()
     wl = get_workload("digits-cnn")
     share = len(wl.client_items(2, n, "iid", seed=0))
@@ -77,18 +78,16 @@ def test_eval_only_off_and_export_off(tmp_path):
         for i in range(2)
     }
     cfg = ServerConfig(
+        shape=RunShape(local_steps=2),
         num_server_rounds=1,
-        local_steps=2,
         min_nodes=1,
         out=str(tmp_path / "run"),
         client_measure="inline",
-        fleet_memory_budgets="1GB,1kB",
-        fleet_disk_budgets="0",
-        eval_only="off",
-        export_onnx="off",
+        fleet=FleetConfig(memory_budgets=(10**9, 1000), disk_budgets=(0,)),
+        export=ExportConfig(eval_only="off", onnx="off"),
     )
-    grid = FakeGrid(nodes)
-    summary = Federation(cfg, FlowerTransport(grid, query_config=cfg.fleet())).run()
+    transport = FlowerTransport(FakeGrid(nodes), query_config=cfg.fleet.to_query())
+    summary = Federation(cfg, transport).run()
     (r,) = summary["rounds"]
     small = next(a for a in r["assignments"] if a["kind"] == "none")
     assert "eval_accuracy" not in small and small["message_bytes"] < 10_000

@@ -14,9 +14,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from server.config import ServerConfig
+from server.config import ExportConfig, ServerConfig
 from server.export import RTOL, ExportError, export_model, unsupported_operator
 from server.onnx_rounds import OnnxRounds
+from wire.shape import RunShape
 from workloads import get_workload
 
 GPT2_MODULE = """
@@ -261,7 +262,11 @@ def test_unexportable_model_is_one_line_and_the_run_goes_on(tmp_path, monkeypatc
     assert "data-dependent" in message and "torch.cond" in message
     assert not list(tmp_path.glob("*.onnx*"))
 
-    cfg = ServerConfig(workload=wl.name, num_server_rounds=1, export_onnx="end")
+    cfg = ServerConfig(
+        shape=RunShape(workload=wl.name),
+        num_server_rounds=1,
+        export=ExportConfig(onnx="end"),
+    )
     out = tmp_path / "run"
     out.mkdir()
     assert OnnxRounds(cfg, wl, out).after_round(wl.make_model(0), 1) is None

@@ -4,6 +4,7 @@ mixed budgets, malformed replies, dead nodes, resume, and Flower interoperabilit
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -14,10 +15,11 @@ from flwr.serverapp.strategy import FedAvg
 from client.app import app as client_app
 from server.app import FlowerTransport
 from server.assign import Assigner
-from server.config import ServerConfig
+from server.config import FleetConfig, ServerConfig
 from server.loop import Federation
 from server.persist import load_model, load_state
 from tests.server.grid import FakeGrid
+from wire.shape import RunShape
 from workloads import get_workload
 
 
@@ -29,19 +31,26 @@ def nodes(n, app=client_app, **extra):
 
 
 def config(tmp_path, **kw):
+    """A small run's settings; ``RunShape`` fields (``local_steps``, ``seed``, ...)
+    by name, beside ``ServerConfig``'s own."""
+    shape = {"local_steps": 5}
+    shape.update({k: kw.pop(k) for k in SHAPE_FIELDS & set(kw)})
     base = dict(
         num_server_rounds=2,
-        local_steps=5,
         min_nodes=1,
         out=str(tmp_path / "run"),
         client_measure="inline",
         runtime_reserve="0",
     )
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig(shape=RunShape(**shape), **{**base, **kw})
+
+
+SHAPE_FIELDS = {f.name for f in fields(RunShape)}
 
 
 def federate(cfg, grid):
-    return Federation(cfg, FlowerTransport(grid, query_config=cfg.fleet())).run()
+    query = cfg.fleet.to_query()
+    return Federation(cfg, FlowerTransport(grid, query_config=query)).run()
 
 
 def digits_mins():
@@ -58,8 +67,7 @@ def test_mixed_budgets_every_node_contributes(tmp_path):
     cfg = config(
         tmp_path,
         num_server_rounds=3,
-        fleet_memory_budgets=",".join(str(b) for b in budgets),
-        fleet_disk_budgets="0",
+        fleet=FleetConfig(memory_budgets=tuple(budgets), disk_budgets=(0,)),
     )
     summary = federate(cfg, FakeGrid(nodes(4)))
     for r in summary["rounds"]:
@@ -139,8 +147,10 @@ def test_min_replies_keeps_the_model_when_too_few_arrive(tmp_path):
 
 def test_killed_and_resumed_run_ends_bit_identical(tmp_path):
     head_min, whole_min = digits_mins()
-    budgets = f"{10 * whole_min},{(head_min + whole_min) // 2},{head_min + 1}"
-    common = dict(num_server_rounds=4, fleet_memory_budgets=budgets, seed=3)
+    budgets = (10 * whole_min, (head_min + whole_min) // 2, head_min + 1)
+    common = dict(
+        num_server_rounds=4, fleet=FleetConfig(memory_budgets=budgets), seed=3
+    )
     federate(config(tmp_path / "a", **common), FakeGrid(nodes(3)))
     # "killed" after round 2: a run that stops there, then a resumed one
     federate(

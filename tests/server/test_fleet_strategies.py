@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from server.assign import Assigner
-from server.config import ServerConfig
+from server.config import ExportConfig, FleetConfig, ServerConfig
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, digits_mins, federate, nodes
 from workloads import get_workload
@@ -33,8 +33,7 @@ def test_exclude_trains_plainly_or_not_at_all(tmp_path):
     budgets = [2 * need, need, (head_min + whole_min) // 2, head_min // 2]
     common = dict(
         num_server_rounds=2,
-        fleet_memory_budgets=",".join(str(b) for b in budgets),
-        fleet_disk_budgets="0",
+        fleet=FleetConfig(memory_budgets=tuple(budgets), disk_budgets=(0,)),
     )
     excl = federate(
         config(tmp_path / "x", strategy="exclude", **common), FakeGrid(nodes(4))
@@ -53,7 +52,7 @@ def test_exclude_trains_plainly_or_not_at_all(tmp_path):
 
 
 def test_availability_takes_nodes_offline_by_a_seeded_draw(tmp_path):
-    common = dict(num_server_rounds=4, fleet_availability="0.5", seed=3)
+    common = dict(num_server_rounds=4, fleet=FleetConfig(availability=(0.5,)), seed=3)
     a = federate(config(tmp_path / "a", **common), FakeGrid(nodes(6)))
     b = federate(config(tmp_path / "b", **common), FakeGrid(nodes(6)))
     offline = [r["num_offline"] for r in a["rounds"]]
@@ -71,7 +70,7 @@ def test_natural_split_by_class_reaches_the_clients(tmp_path):
         tmp_path,
         num_server_rounds=1,
         split="natural",
-        fleet_classes="0,0,1,1",
+        fleet=FleetConfig(classes=(0, 0, 1, 1)),
     )
     r = federate(cfg, FakeGrid(nodes(4)))["rounds"][0]
     examples = {a["partition_id"]: a["num_examples"] for a in r["assignments"]}
@@ -89,9 +88,9 @@ def test_nodes_given_a_budget_are_measured_in_a_child(tmp_path):
         tmp_path,
         num_server_rounds=1,
         client_measure="auto",
-        fleet_memory_budgets="1GB",
+        fleet=FleetConfig(memory_budgets=(10**9,)),
         local_steps=2,
-        export_onnx="off",
+        export=ExportConfig(onnx="off"),
     )
     r = federate(cfg, FakeGrid(nodes(1)))["rounds"][0]
     assert r["assignments"][0]["peak_method"] == "child"
@@ -101,18 +100,61 @@ def test_nodes_given_a_budget_are_measured_in_a_child(tmp_path):
     "key, value, needle",
     [
         ("strategy", "greedy", "fleetfit or exclude"),
-        ("fleet_availability", "0.5,1.5", "probabilities in (0, 1]"),
-        ("fleet_availability", "x", "probabilities"),
-        ("fleet_classes", "0,a", "class indices"),
-        ("fleet_classes", "0,-1", "class indices"),
-        ("dp_clipping_norm", -1.0, "must be a number >= 0"),
-        ("dp_noise_multiplier", 1.0, "needs dp-clipping-norm > 0"),
+        ("fleet-availability", "0.5,1.5", "probabilities in (0, 1]"),
+        ("fleet-availability", "x", "probabilities"),
+        ("fleet-classes", "0,a", "class indices"),
+        ("fleet-classes", "0,-1", "class indices"),
+        ("fleet-speeds", [1, 0], "positive numbers"),
+        ("fleet-disk-budgets", "0,-1GB", "negative"),
+        ("dp-clipping-norm", -1.0, "must be a number >= 0"),
+        ("dp-noise-multiplier", 1.0, "needs dp-clipping-norm > 0"),
     ],
 )
 def test_bad_fleet_keys_are_refused(key, value, needle):
     with pytest.raises(ValueError) as e:
-        ServerConfig(**{key: value}).validate()
-    assert needle in str(e.value) and repr(value) in str(e.value)
+        ServerConfig.from_run_config({key: value})
+    assert needle in str(e.value) and f"{key}={value!r}" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "fleet, needle",
+    [
+        (FleetConfig(availability=(0.5, 1.5)), "availability='0.5,1.5' is invalid: p"),
+        (FleetConfig(classes=(0, -1)), "fleet-classes='0,-1' is invalid: class"),
+        (FleetConfig(memory_budgets=("1GB",)), "budgets='1GB' is invalid: give the"),
+        (FleetConfig(speeds=0.5), "fleet-speeds=0.5 is invalid: give a tuple"),
+    ],
+)
+def test_a_fleet_built_in_python_passes_the_run_configs_checks(fleet, needle):
+    with pytest.raises(ValueError) as e:
+        ServerConfig(fleet=fleet).validate()
+    assert needle in str(e.value)
+
+
+def test_fleet_lists_are_typed_after_parsing_and_sent_as_strings():
+    cfg = ServerConfig.from_run_config(
+        {
+            "fleet-memory-budgets": "1GB, 300MB",
+            "fleet-disk-budgets": "0",
+            "fleet-speeds": [1, 0.25],
+            "fleet-availability": "0.9",
+            "fleet-classes": "0,1",
+        }
+    )
+    assert cfg.fleet == FleetConfig(
+        memory_budgets=(10**9, 3 * 10**8),
+        disk_budgets=(0,),
+        speeds=(1.0, 0.25),
+        availability=(0.9,),
+        classes=(0, 1),
+    )
+    assert cfg.fleet.online_probability(5) == 0.9
+    assert cfg.fleet.to_query() == {
+        "fleet-memory-budgets": "1000000000,300000000",
+        "fleet-disk-budgets": "0",
+        "fleet-speeds": "1.0,0.25",
+    }
+    assert ServerConfig.from_run_config(cfg.to_run_config()) == cfg
 
 
 def test_first_discovery_waits_node_wait_and_an_empty_round_says_why(tmp_path):
@@ -127,7 +169,7 @@ def test_first_discovery_waits_node_wait_and_an_empty_round_says_why(tmp_path):
     from server.loop import Federation
 
     cfg = config(tmp_path, num_server_rounds=2, round_timeout_s=5.0, node_wait_s=50.0)
-    transport = FlowerTransport(Mute(nodes(2)), query_config=cfg.fleet())
+    transport = FlowerTransport(Mute(nodes(2)), query_config=cfg.fleet.to_query())
     timeouts = []
     query = transport.query
 

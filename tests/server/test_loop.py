@@ -9,12 +9,13 @@ from server.config import ServerConfig
 from server.loop import Federation
 from server.persist import load_model
 from tests.fakes import DirectTransport
+from wire.shape import RunShape
 
 
-def run(tmp_path, transport, **kw):
+def run(tmp_path, transport, seed=0, **kw):
     cfg = ServerConfig(
+        shape=RunShape(local_steps=5, seed=seed),
         num_server_rounds=2,
-        local_steps=5,
         min_nodes=1,
         out=str(tmp_path / "run"),
         client_measure="inline",

@@ -9,6 +9,7 @@ import pytest
 import torch
 from flwr.app import Message
 
+from server.config import ExportConfig, FleetConfig
 from server.persist import load_model, load_state
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, digits_mins, federate, nodes
@@ -48,11 +49,10 @@ def test_killed_mid_round_and_resumed_with_new_node_ids_ends_bit_identical(tmp_p
     budgets = [10 * whole_min, (head_min + whole_min) // 2, head_min + 1, whole_min]
     common = dict(
         num_server_rounds=ROUNDS,
-        fleet_memory_budgets=",".join(str(b) for b in budgets),
-        fleet_disk_budgets="0",
+        fleet=FleetConfig(memory_budgets=tuple(budgets), disk_budgets=(0,)),
         fraction_train=0.75,  # 3 of 4 devices a round: seeded sampling must agree
         seed=5,
-        export_onnx="off",
+        export=ExportConfig(onnx="off"),
     )
     whole = federate(config(tmp_path / "a", **common), FakeGrid(nodes(4)))
 

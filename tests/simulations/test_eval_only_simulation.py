@@ -14,17 +14,18 @@ def test_simulation_counts_eval_only_devices(tmp_path):
 
     from client.app import app as client_app
     from server.app import make_app
-    from server.config import ServerConfig
+    from server.config import ExportConfig, FleetConfig, ServerConfig
+    from wire.shape import RunShape
 
     out = tmp_path / "run"
     cfg = ServerConfig(
+        shape=RunShape(local_steps=5),
         num_server_rounds=2,
-        local_steps=5,
         min_nodes=4,
         out=str(out),
-        fleet_memory_budgets="1GB,1GB,1kB,1kB",  # partitions 2 and 3: evaluation only
-        fleet_disk_budgets="0",
-        export_quantize=True,
+        # partitions 2 and 3: evaluation only
+        fleet=FleetConfig(memory_budgets=(10**9, 10**9, 1000, 1000), disk_budgets=(0,)),
+        export=ExportConfig(quantize=True),
     )
     run_simulation(
         server_app=make_app(cfg.to_run_config()),

@@ -39,7 +39,7 @@ def small(**over):
 def test_shipped_fleets_load_and_validate(name, tmp_path):
     fleet = load_fleet(name)
     assert fleet.clients == len(fleet.budgets) == len(fleet.partition_class)
-    assert fleet.split == "natural"
+    assert fleet.shape.split == "natural"
     assert sum(fleet.class_counts()) == fleet.clients
     assert all(n >= 1 for n in fleet.class_counts())
     for b, k in zip(fleet.budgets, fleet.partition_class, strict=True):
@@ -52,7 +52,7 @@ def test_shipped_fleets_load_and_validate(name, tmp_path):
 
 def test_phone_fleet_mostly_cannot_train_gpt_byte_plainly():
     fleet = load_fleet("phones")
-    assert fleet.workload == "gpt-byte"
+    assert fleet.shape.workload == "gpt-byte"
     need = plain_need_bytes(base_workload(fleet), ServerConfig().reserve_bytes)
     cannot = sum(b < need for b in fleet.budgets) / fleet.clients
     assert cannot >= 0.4, cannot

@@ -11,8 +11,9 @@ import pytest
 from memory.plan import min_budget_bytes
 from memory.sizes import parse_bytes
 from server.assign import Assigner, part_profile
-from server.config import ServerConfig
+from server.config import FleetConfig, ServerConfig
 from simulations.run import SimulationSettings, simulate
+from wire.shape import RunShape
 from workloads import get_workload
 
 pytestmark = [pytest.mark.simulation, pytest.mark.slow]
@@ -50,13 +51,11 @@ def test_mixed_budgets_every_device_contributes_within_budget(tmp_path):
     expected = {0: "full", 1: "full", 2: "part", 3: "part", 4: "none"}
     summary = simulate(
         SimulationSettings(
+            shape=RunShape(local_steps=10, seed=1),
             num_clients=len(budgets),
-            rounds=3,
-            local_steps=10,
-            seed=1,
+            num_server_rounds=3,
             out=str(tmp_path / "run"),
-            memory_budgets=tuple(str(b) for b in budgets),
-            disk_budgets=("0",),
+            fleet=FleetConfig(memory_budgets=tuple(budgets), disk_budgets=(0,)),
             client_measure="child",
         )
     )

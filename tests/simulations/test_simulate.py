@@ -7,12 +7,15 @@ import torch
 
 from server.persist import load_model
 from simulations.run import SimulationSettings, simulate
+from wire.shape import RunShape
 
 pytestmark = [pytest.mark.simulation, pytest.mark.slow]
 
 
 def test_two_simulations_same_seed_same_model(tmp_path):
-    kw = dict(num_clients=3, rounds=2, local_steps=5, seed=11)
+    kw = dict(
+        num_clients=3, num_server_rounds=2, shape=RunShape(local_steps=5, seed=11)
+    )
     a = simulate(SimulationSettings(out=str(tmp_path / "a"), **kw))
     b = simulate(SimulationSettings(out=str(tmp_path / "b"), **kw))
     assert [r["round"] for r in a["rounds"]] == [1, 2]

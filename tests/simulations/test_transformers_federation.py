@@ -11,7 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from server.config import FleetConfig  # noqa: E402
 from simulations.run import SimulationSettings, simulate  # noqa: E402
+from wire.shape import RunShape  # noqa: E402
 
 pytestmark = [pytest.mark.simulation, pytest.mark.slow]
 
@@ -22,14 +24,14 @@ def test_full_part_and_none_nodes_train_their_own_data(tmp_path):
     out = tmp_path / "run"
     summary = simulate(
         SimulationSettings(
-            workload=SPEC,
+            shape=RunShape(workload=SPEC, local_steps=4, lr=3e-3),
             num_clients=3,
-            rounds=3,
-            local_steps=4,
-            lr=3e-3,
+            num_server_rounds=3,
             # whole model / a window (no disk: no streaming) / below any part
-            memory_budgets=("1GB", "113MiB", "105MiB"),
-            disk_budgets=("1GB", "0", "0"),
+            fleet=FleetConfig(
+                memory_budgets=(10**9, 113 * 2**20, 105 * 2**20),
+                disk_budgets=(10**9, 0, 0),
+            ),
             out=str(out),
         )
     )

@@ -1,0 +1,32 @@
+"""The run's shape: what every client trains on in a round, written once.
+
+The same ``RunShape`` travels the whole way: a CLI flag or a fleet file sets it in
+``SimulationSettings.shape``, the run config holds it in ``ServerConfig.shape`` (its
+keys flat beside the others: ``workload``, ``local-steps``, ...), and the server sends
+it in every ``TrainInstruction.shape`` (with the node's own ``local_steps``). One name
+and one default per setting; ``server.config`` checks the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a client trains on in a round (run-config and instruction key in
+    brackets)."""
+
+    workload: str = "digits-cnn"  # [workload] built-in name or module:function
+    local_steps: int = 20  # [local-steps] optimizer steps per client per round
+    lr: float = 0.003  # [lr] client AdamW learning rate
+    seed: int = 0  # [seed] all randomness derives from it; a client's batch order
+    #   from (seed, round, partition)
+    split: str = "iid"  # [split] iid | dirichlet | natural (natural: by device class)
+    dirichlet_alpha: float = 0.5  # [dirichlet-alpha] label skew for split=dirichlet
+    batch_size: int = 0  # [batch-size] examples per step; 0: the workload's default
+    seq_len: int = 0  # [seq-len] tokens per example (language models); 0: the
+    #   workload's default
+
+
+__all__ = ["RunShape"]
