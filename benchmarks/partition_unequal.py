@@ -74,7 +74,7 @@ def probe_overhead(steps: int = 6) -> float:
     """Seconds of runtime work per stage action (one thread, full speed, loopback):
     2 ranks, GPipe, 32 micro-batches of a model with next to no compute."""
     from partition.cluster import Cluster
-    from partition.planner import fixed_plan
+    from partition.evaluate import fixed_plan
     from partition.runtime import launch
 
     model, (x, y), loss = tiny()
@@ -209,7 +209,7 @@ def runtime_factor(prof: Profile, cfg) -> tuple[float, float, float]:
     times that makes the simulated step equal the measured one. Returns (factor,
     measured s, simulated s before calibration)."""
     from partition.cluster import Cluster
-    from partition.planner import even_split, fixed_plan
+    from partition.evaluate import even_split, fixed_plan
     from partition.runtime import launch
 
     names = [b.name for b in prof.blocks]
@@ -266,12 +266,9 @@ def main() -> int:
     from memory.sizes import format_bytes, parse_bytes
     from partition import netns
     from partition.cluster import Cluster, parse_bandwidth
-    from partition.planner import (
-        PlannerConfig,
-        even_split,
-        fixed_plan,
-        plan_partition,
-    )
+    from partition.evaluate import even_split, fixed_plan
+    from partition.planner import plan_partition
+    from partition.plans import PlannerConfig
 
     print(
         f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "

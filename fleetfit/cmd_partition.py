@@ -130,7 +130,8 @@ def _run(args: argparse.Namespace) -> int:
             print(lay.to_json())
         return 0
     from partition.pipeline import SCHEDULES
-    from partition.planner import PlannerConfig, plan_partition
+    from partition.planner import plan_partition
+    from partition.plans import PlannerConfig
 
     schedules = tuple(s for s in args.schedules.split(",") if s) or SCHEDULES
     cfg = PlannerConfig(schedules=schedules, max_microbatches=args.max_microbatches)
@@ -188,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _timeline(plan: Any, prof: Any, cluster: Any, out: str) -> Any:
-    from partition.planner import simulate_plan
+    from partition.evaluate import simulate_plan
     from partition.simulate import timeline_png
 
     if plan.schedule_name == "local":

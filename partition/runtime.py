@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partition.planner import PartitionPlan
+from partition.plans import PartitionPlan
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """One memory model (issue 12): the device planner (``memory.plan``), the stage planner
-(``partition.planner``) and the GPU layouts (``partition.gpu``) price the same units
+(``partition.planner``, pricing stages in ``partition.stage_cost``) and the GPU layouts (``partition.gpu``) price the same units
 with ``memory.cost``'s events and agree on their peaks.
 
 The units are a transformers GPT-2 built from its config (tied embedding and head),
@@ -28,6 +28,9 @@ from memory.spec import BlockPlan, MemoryPlan
 from partition import gpu
 from partition import planner as pl
 from partition.cluster import Cluster
+from partition.evaluate import fixed_plan
+from partition.plans import PartitionPlan, PlannerConfig, StagePlan
+from partition.stage_cost import StageCosts, max_in_flight
 from tests.partition.test_planner import synth, unequal
 
 
@@ -107,19 +110,19 @@ def test_micro_batches_in_flight_add_their_activations_to_every_event(name):
             assert bytes_s == bytes_d - model.base + base + held, what_d
 
 
-def _stage_choices(stage: pl.StagePlan) -> list[str]:
+def _stage_choices(stage: StagePlan) -> list[str]:
     return [
         RECOMPUTE if b.activations == "recompute" else KEEP for b in stage.memory.blocks
     ]
 
 
-def _check_stages(profile: Profile, cluster: Cluster, plan: pl.PartitionPlan) -> None:
+def _check_stages(profile: Profile, cluster: Cluster, plan: PartitionPlan) -> None:
     """Each stage's peak in the plan is ``memory.cost``'s price of its span."""
     assert plan.stages_per_rank == 1 and plan.num_stages > 1
     q = plan.num_replicas * plan.num_microbatches
     model = CostModel(profile, q, 1)
-    costs = pl._Costs(profile, cluster, q)
-    flights = pl._in_flight(
+    costs = StageCosts(profile, cluster, q)
+    flights = max_in_flight(
         plan.schedule_name, plan.num_ranks, plan.num_microbatches, 1
     )
     a = 0
@@ -142,7 +145,7 @@ def test_the_stage_planner_prices_stages_with_the_device_model():
     profile = synth(n=7, seed=1)
     cluster = unequal(fast_mem="50MB")  # tight: some stages recompute
     plan = pl.plan_partition(
-        profile, cluster, pl.PlannerConfig(schedules=("GPipe", "1F1B"))
+        profile, cluster, PlannerConfig(schedules=("GPipe", "1F1B"))
     )
     _check_stages(profile, cluster, plan)
     assert any(
@@ -161,7 +164,7 @@ def test_a_transformers_pipeline_is_priced_by_the_same_units():
     )
     names = [b.name for b in profile.blocks]
     half = len(names) // 2
-    plan = pl.fixed_plan(
+    plan = fixed_plan(
         profile,
         cluster,
         [names[:half], names[half:]],

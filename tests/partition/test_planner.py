@@ -13,13 +13,11 @@ import pytest
 from memory.profile import BlockCosts, BlockProfile, Profile
 from partition import planner as pl
 from partition.cluster import Cluster
-from partition.planner import (
-    PartitionError,
-    PartitionPlan,
-    PlannerConfig,
-    plan_partition,
-)
+from partition.evaluate import Setting, evaluate_cuts, stage_limits
+from partition.planner import plan_partition
+from partition.plans import PartitionError, PartitionPlan, PlannerConfig
 from partition.schedule import validate
+from partition.stage_cost import StageCosts, max_in_flight
 
 MiB = 2**20
 
@@ -97,20 +95,20 @@ def exhaustive(profile: Profile, cluster: Cluster, cfg: PlannerConfig) -> float:
     for st in pl._settings(profile, cluster, cfg):
         if st.ranks == 1 and st.replicas == 1:
             continue
-        costs = pl._Costs(
+        costs = StageCosts(
             profile,
             cluster,
             st.replicas * st.microbatches,
             cfg.action_overhead_s,
             cfg.update_s_per_byte,
         )
-        limits = pl._limits(cluster, st)
-        flights = pl._in_flight(st.schedule, st.ranks, st.microbatches, st.per_rank)
+        limits = stage_limits(cluster, st)
+        flights = max_in_flight(st.schedule, st.ranks, st.microbatches, st.per_rank)
         P = st.num_stages
         for inner in itertools.combinations(range(1, n), P - 1):
-            ev = pl._evaluate(costs, st, (0, *inner, n), limits, flights, cfg)
+            ev = evaluate_cuts(costs, st, (0, *inner, n), limits, flights, cfg)
             if ev is not None:
-                best = min(best, ev[0].step_s)
+                best = min(best, ev.result.step_s)
     return best
 
 
@@ -166,7 +164,7 @@ def test_fast_small_devices_get_work_the_slow_ones_cannot():
 def _even_split_step(profile: Profile, cluster: Cluster, plan: PartitionPlan) -> float:
     """torch's even split (equal block counts, device order as given, same schedule)."""
     n, p = len(profile.blocks), 4
-    st = pl._Setting(
+    st = Setting(
         (0, 2, 1, 3),
         1,
         p,
@@ -174,19 +172,19 @@ def _even_split_step(profile: Profile, cluster: Cluster, plan: PartitionPlan) ->
         "1F1B",
         plan.num_microbatches if plan.num_microbatches >= p else p,
     )
-    costs = pl._Costs(profile, cluster, st.microbatches)
+    costs = StageCosts(profile, cluster, st.microbatches)
     cuts = tuple(round(i * n / p) for i in range(p + 1))
     big = [2**62] * p
-    ev = pl._evaluate(
+    ev = evaluate_cuts(
         costs,
         st,
         cuts,
         big,
-        pl._in_flight("1F1B", p, st.microbatches, 1),
+        max_in_flight("1F1B", p, st.microbatches, 1),
         PlannerConfig(),
     )
     assert ev is not None
-    return ev[0].step_s
+    return ev.result.step_s
 
 
 def test_one_device_is_the_one_stage_plan_from_memory_plan():

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from memory.blocks import as_blocks
 from memory.profile import profile_blocks
 from partition.cluster import Cluster
-from partition.planner import even_split, fixed_plan
+from partition.evaluate import even_split, fixed_plan
 from partition.runtime import launch, stage_module
 from workloads import get_workload
 
