@@ -33,6 +33,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,6 +147,38 @@ def _steps(
     return table
 
 
+class _Chain(NamedTuple):
+    """What a search over one setting's chain found."""
+
+    raw_bytes: int  # _smallest: the raw peak; _fastest: x, the peak less the base
+    time: float | int  # _smallest: seconds; _fastest: the exact time in ticks
+    steps: tuple[_Step, ...]  # one per block
+
+
+class _Found(NamedTuple):
+    """The plan ``_best`` chose."""
+
+    model: CostModel
+    choices: tuple[str, ...]
+    raw_bytes: int  # its raw peak (no slack)
+    step_s: float
+
+
+class _Group(NamedTuple):
+    """Settings searched as one chain (they differ only in loss chunks)."""
+
+    fixed: dict[int, tuple[str, ...]]  # blocks whose options the setting fixes
+    models: list[CostModel]  # one per loss chunk count
+    steps: list[list[_Step]]
+
+
+# Search states are plain tuples, for speed; their fields by position:
+# _smallest: (x, y, z, t, choices); _fastest: (exact time, x, y, z, t, t + bound,
+# choices), where choices is a linked list (step, rest) read by ``_unlink``.
+_X, _Y, _Z, _T = 0, 1, 2, 3  # in _smallest's states
+_TE, _FX, _FY, _FZ, _FT, _FB = 0, 1, 2, 3, 4, 5  # in _fastest's states
+
+
 def _unlink(linked: tuple | None) -> tuple[_Step, ...]:
     out = []
     while linked is not None:
@@ -156,8 +189,8 @@ def _unlink(linked: tuple | None) -> tuple[_Step, ...]:
 
 def _smallest(
     model: CostModel, steps: list[list[_Step]], disk_budget: int | None
-) -> tuple[int, float, tuple[_Step, ...]] | None:
-    """The plan with the smallest raw peak: (raw peak, time, steps), or None.
+) -> _Chain | None:
+    """The plan with the smallest raw peak, or None.
 
     Pareto sets over (z, x, y) only: time does not matter here."""
     use_disk = _disk_binds(steps, disk_budget)
@@ -177,24 +210,25 @@ def _smallest(
         frontier = {}
         for key, states in new.items():
             if use_disk:
-                states.sort(key=lambda s: (s[2], s[0], s[1]))
-                kept = _staircase(states, 0, 1)
+                states.sort(key=lambda s: (s[_Z], s[_X], s[_Y]))
+                kept = _staircase(states, _X, _Y)
             else:
-                states.sort(key=lambda s: (s[0], s[1], s[3]))
+                states.sort(key=lambda s: (s[_X], s[_Y], s[_T]))
                 kept, best_y = [], None
                 for s in states:
-                    if best_y is None or s[1] < best_y:
+                    if best_y is None or s[_Y] < best_y:
                         kept.append(s)
-                        best_y = s[1]
+                        best_y = s[_Y]
             if kept:
                 frontier[key] = kept
         if not frontier:
             return None
     x, _y, _z, t, ch = min(
-        (s for states in frontier.values() for s in states), key=lambda s: (s[0], s[3])
+        (s for states in frontier.values() for s in states),
+        key=lambda s: (s[_X], s[_T]),
     )
     raw = max(model.base + x, model.profile.construction_peak_bytes)
-    return raw, t, _unlink(ch)
+    return _Chain(raw, t, _unlink(ch))
 
 
 def _staircase(states: list[tuple], ix: int, iy: int) -> list[tuple]:
@@ -332,9 +366,9 @@ def _fastest(
     disk_budget: int | None,
     cut_s: float,
     beam: int = 0,
-) -> tuple[int, int, tuple[_Step, ...]] | None:
-    """The fastest plan within ``limit`` (raw peak less base) that can beat ``cut_s``:
-    (exact time, x, steps), or None.
+) -> _Chain | None:
+    """The fastest plan within ``limit`` (raw peak less base) that can beat ``cut_s``
+    (``raw_bytes`` is its x, ``time`` its exact time), or None.
 
     Branch and bound: a partial plan is dropped when its time plus the lower bound on
     any rest (``_bounds``) exceeds ``cut_s``, or when another is at least as good in
@@ -376,26 +410,28 @@ def _fastest(
         frontier = {}
         for key, states in new.items():
             if use_disk:
-                states.sort(key=lambda s: (s[0], s[3], s[1], s[2]))
+                states.sort(key=lambda s: (s[_TE], s[_FZ], s[_FX], s[_FY]))
                 kept: list[tuple] = []
                 for s in states:
                     if not any(
-                        q[3] <= s[3] and q[1] <= s[1] and q[2] <= s[2] for q in kept
+                        q[_FZ] <= s[_FZ] and q[_FX] <= s[_FX] and q[_FY] <= s[_FY]
+                        for q in kept
                     ):
                         kept.append(s)
             else:
-                states.sort(key=lambda s: (s[0], s[1], s[2]))
-                kept = _staircase(states, 1, 2)
+                states.sort(key=lambda s: (s[_TE], s[_FX], s[_FY]))
+                kept = _staircase(states, _FX, _FY)
             if beam and len(kept) > beam:
-                kept = sorted(kept, key=lambda s: s[5])[:beam]
+                kept = sorted(kept, key=lambda s: s[_FB])[:beam]
             if kept:
                 frontier[key] = kept
         if not frontier:
             return None
     te, x, _y, _z, _t, _f, ch = min(
-        (s for states in frontier.values() for s in states), key=lambda s: s[:2]
+        (s for states in frontier.values() for s in states),
+        key=lambda s: (s[_TE], s[_FX]),
     )
-    return te, x, _unlink(ch)
+    return _Chain(x, te, _unlink(ch))
 
 
 _DIVE_CLOSE = 0.05
@@ -503,11 +539,10 @@ def _best(
     microbatching: bool,
     max_microbatches: int,
     use_time: bool,
-) -> tuple[CostModel, tuple[str, ...], int, float] | None:
-    """The fastest plan under ``raw_budget`` (or the smallest-peak plan):
-    (model, choices, raw peak, time), or None."""
+) -> _Found | None:
+    """The fastest plan under ``raw_budget`` (or the smallest-peak plan), or None."""
     groups = _groups(profile, microbatching, max_microbatches, disk_budget > 0)
-    models = {(m.m, m.c): m for _fixed, ms, _steps in groups for m in ms}
+    models = {(m.m, m.c): m for g in groups for m in g.models}
 
     def plan_of(
         m: int, chosen: tuple[_Step, ...]
@@ -518,26 +553,30 @@ def _best(
 
     if not use_time:
         best = None
-        for _fixed, (m0, *_), steps in groups:
-            found = _smallest(m0, steps, disk_budget)
-            if found and (best is None or found[:2] < best[2:]):
-                model, choices, _t = plan_of(m0.m, found[2])
-                best = (model, choices, found[0], found[1])
+        for g in groups:
+            m0 = g.models[0]
+            found = _smallest(m0, g.steps, disk_budget)
+            if found and (
+                best is None
+                or (found.raw_bytes, found.time) < (best.raw_bytes, best.step_s)
+            ):
+                model, choices, _t = plan_of(m0.m, found.steps)
+                best = _Found(model, choices, found.raw_bytes, found.time)
         return best
     assert raw_budget is not None
     if profile.construction_peak_bytes > raw_budget:
         return None
-    exact = _exact_times([steps for _f, _m, steps in groups])
+    exact = _exact_times([g.steps for g in groups])
     # settings by the fastest they could be with no budget, a bound that costs nothing;
     # the bound from ``_bounds`` is computed only for those that could beat the best
-    free = [sum(min(st.dt for st in row) for row in steps) for _f, _m, steps in groups]
+    free = [sum(min(st.dt for st in row) for row in g.steps) for g in groups]
     best = None
     best_key: tuple[int, int] | None = None  # (exact time, raw)
     best_s = math.inf
     for i in sorted(range(len(groups)), key=lambda i: free[i]):
         if free[i] > best_s * (1 + _TIME_SLOP):
             break
-        _fixed, (m0, *_), steps = groups[i]
+        m0, steps = groups[i].models[0], groups[i].steps
         limit = raw_budget - m0.base
         bounds = _bounds(steps, limit)
         lb = _lower_bound(bounds[0], 0, m0.opt_temp, 0, limit)
@@ -547,7 +586,7 @@ def _best(
         # that finds a plan has found this setting's best. Tight cuts keep the Pareto
         # sets small, so cuts grow from the lower bound unless the dive is close to it
         dive = _fastest(m0, steps, exact[i], bounds, limit, disk_budget, best_s, 16)
-        top = best_s if dive is None else min(best_s, plan_of(m0.m, dive[2])[2])
+        top = best_s if dive is None else min(best_s, plan_of(m0.m, dive.steps)[2])
         if top <= lb * (1 + _DIVE_CLOSE):
             cuts = [top]
         else:
@@ -560,11 +599,11 @@ def _best(
                 break
         if found is None:
             continue
-        te, x, chosen = found
-        raw = max(m0.base + x, profile.construction_peak_bytes)
+        te = int(found.time)
+        raw = max(m0.base + found.raw_bytes, profile.construction_peak_bytes)
         if best_key is None or (te, raw) < best_key:
-            model, choices, best_s = plan_of(m0.m, chosen)
-            best, best_key = (model, choices, raw, best_s), (te, raw)
+            model, choices, best_s = plan_of(m0.m, found.steps)
+            best, best_key = _Found(model, choices, raw, best_s), (te, raw)
     return best
 
 
@@ -574,12 +613,12 @@ def _time_of(model: CostModel, choices: Sequence[str]) -> float:
 
 def _groups(
     profile: Profile, microbatching: bool, max_microbatches: int, disk_ok: bool
-) -> list[tuple[dict[int, tuple[str, ...]], list[CostModel], list[list[_Step]]]]:
+) -> list[_Group]:
     """The settings, with those that differ only in loss chunks merged into one search:
     the chunk count changes only the last block, so its options for every count
     become options of one chain (each ``_Step`` knows its count)."""
     cache: dict[tuple, list[_Step]] = {}
-    by_key: dict[tuple, tuple[dict, list[CostModel], list[list[_Step]]]] = {}
+    by_key: dict[tuple, _Group] = {}
     for m, c, fixed in _settings(profile, microbatching, max_microbatches, disk_ok):
         model = CostModel(profile, m, c)
         # the search starts from the optimizer step's temporaries: an upper bound,
@@ -590,10 +629,10 @@ def _groups(
         steps = _steps(model, fixed, cache)
         key = (m, tuple(sorted(fixed.items())))
         if key not in by_key:
-            by_key[key] = (fixed, [model], steps[:-1] + [list(steps[-1])])
+            by_key[key] = _Group(fixed, [model], steps[:-1] + [list(steps[-1])])
         else:
-            by_key[key][1].append(model)
-            by_key[key][2][-1].extend(steps[-1])
+            by_key[key].models.append(model)
+            by_key[key].steps[-1].extend(steps[-1])
     return list(by_key.values())
 
 
@@ -655,7 +694,7 @@ def min_budget_bytes(
     mb = _microbatching(profile, allow_microbatching, batch_dependent)
     best = _best(profile, None, disk, mb, max_microbatches, use_time=False)
     assert best is not None
-    return slack(best[2])
+    return slack(best.raw_bytes)
 
 
 def plan_memory(
@@ -698,7 +737,7 @@ def plan_memory(
     if budget_bytes is None:
         smallest = _best(profile, None, disk, mb, max_microbatches, use_time=False)
         assert smallest is not None
-        raw = smallest[2]
+        raw = smallest.raw_bytes
     else:
         raw = unslack(budget_bytes)
     best = _best(profile, raw, disk, mb, max_microbatches, use_time=True)
