@@ -41,7 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from memory.blocks import as_blocks  # noqa: E402
-from memory.profile import Profile, profile_blocks  # noqa: E402
+from memory.chain_profile import profile_blocks  # noqa: E402
+from memory.profile import Profile  # noqa: E402
 from workloads.models import GPT, GPTConfig  # noqa: E402
 
 WORKLOAD = "benchmarks.partition_unequal:workload"

@@ -53,7 +53,7 @@ from client.config import (
 )
 from client.ort_eval import evaluate_only
 from client.train import draw_batches, train_assigned
-from memory.profile import measure_flops_per_s
+from memory.probes import measure_flops_per_s
 from memory.spec import MemoryPlan
 from wire import keys
 from wire.facts import NodeFacts

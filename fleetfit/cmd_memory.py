@@ -145,9 +145,10 @@ def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memory.chain_costs import is_batch_dependent
     from memory.cost import predict
     from memory.plan import min_budget_bytes, plan_memory
-    from memory.profile import is_batch_dependent, loading_from_file
+    from memory.profile import loading_from_file
     from memory.sizes import format_bytes, parse_bytes
     from memory.spec import MemoryPlan
     from memory.unit_profile import plan_units

@@ -104,7 +104,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def _profile(args: argparse.Namespace) -> Any:
-    from memory.profile import profile_workload_fake
+    from memory.chain_profile import profile_workload_fake
     from workloads import get_workload
 
     wl = get_workload(

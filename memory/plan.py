@@ -671,7 +671,7 @@ def _with_bandwidth(
 ) -> Profile:
     if profile.disk is not None or disk_budget == 0:
         return profile
-    from memory.profile import measure_disk_bandwidth
+    from memory.probes import measure_disk_bandwidth
 
     try:
         return profile.with_disk(measure_disk_bandwidth(offload_dir))

@@ -26,7 +26,7 @@ import copy
 import logging
 import mmap
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -35,17 +35,11 @@ from torch.utils.flop_counter import flop_registry
 
 from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
 from memory.blocks import Block
+from memory.chain_costs import LiveBytes, block_state, is_batch_dependent
 from memory.errors import MemoryPlanError
 from memory.head import ChunkedHead, vocab_block_bytes
-from memory.profile import (
-    BlockCosts,
-    BlockProfile,
-    Profile,
-    _LiveBytes,
-    _state,
-    is_batch_dependent,
-    measure_flops_per_s,
-)
+from memory.probes import measure_flops_per_s
+from memory.profile import BlockCosts, BlockProfile, Profile
 from memory.streaming import parameter_owners, row_lookups
 from memory.units import call_model, find_units, no_kv_cache
 
@@ -57,8 +51,8 @@ PAGE_BYTES = mmap.PAGESIZE
 """A looked-up row of a mapped table touches its pages: at most a row and a page."""
 
 
-class _Tracker(_LiveBytes):
-    """``memory.profile``'s live-bytes tracking, plus FLOPs per owner (the unit whose
+class _Tracker(LiveBytes):
+    """``memory.chain_costs.LiveBytes`` (live bytes, their peak), plus FLOPs per owner (the unit whose
     forward or backward runs)."""
 
     def __init__(self, n: int) -> None:
@@ -421,7 +415,7 @@ def profile_units(
             )
         head.install()
     batch = batch_size_of(inputs)
-    states = _state(fake_units, optimizer)
+    states = block_state(fake_units, optimizer)
     rows = _RowParams(fake_units, head)
     exclude = {_key(t) for t in (*fake.parameters(), *fake.buffers())}
     costs_by_m: dict[int, list[BlockCosts]] = {}
@@ -477,7 +471,7 @@ def profile_units(
                 options=options,
                 row_param_bytes=rows.own[k],
                 row_shared_bytes=rows.shared[k],
-                **st,
+                **asdict(st),
             )
         )
     params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -231,7 +231,7 @@ class Cluster:
         Args:
             d: the parsed file.
             probe: a function returning this machine's FLOP/s for ``compute =
-                "probe"`` (default: ``memory.profile.measure_flops_per_s``).
+                "probe"`` (default: ``memory.probes.measure_flops_per_s``).
         """
         if not isinstance(d, dict):
             raise ClusterError(f"a cluster is a table, got {type(d).__name__}")
@@ -297,7 +297,7 @@ class Cluster:
             if comp == "probe":
                 if probed is None:
                     if probe is None:
-                        from memory.profile import measure_flops_per_s
+                        from memory.probes import measure_flops_per_s
 
                         probe = measure_flops_per_s
                     probed = float(probe())

@@ -30,9 +30,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from memory.chain_profile import profile_workload_fake
 from memory.measure import Measurement, measure_in_child
 from memory.overhead import runtime_overhead_bytes, workload_runtime_bytes
-from memory.profile import Profile, measure_disk_bandwidth, profile_workload_fake
+from memory.probes import measure_disk_bandwidth
+from memory.profile import Profile
 from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor

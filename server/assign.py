@@ -42,10 +42,11 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from memory.chain_profile import profile_workload_fake
 from memory.cost import predict
 from memory.errors import BudgetError
 from memory.plan import min_budget_bytes
-from memory.profile import Profile, profile_workload_fake
+from memory.profile import Profile
 from memory.spec import MemoryPlan
 from memory.unit_profile import plan_units, unit_profiles
 from wire.facts import NodeFacts

@@ -50,7 +50,7 @@ def getenv(keys: list[str]) -> dict:
 
 def profile_big_fake(name: str) -> dict:
     """Profile a large built-in model on fake tensors; report its parameter bytes."""
-    from memory.profile import profile_workload_fake
+    from memory.chain_profile import profile_workload_fake
     from workloads import get_workload
 
     wl = get_workload(name)

@@ -16,7 +16,7 @@ from memory import machine
 PROBE = textwrap.dedent(
     """
     import json
-    from memory.profile import measure_flops_per_s
+    from memory.probes import measure_flops_per_s
     print(json.dumps(measure_flops_per_s()))
     """
 )

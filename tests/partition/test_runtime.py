@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from memory.blocks import as_blocks
-from memory.profile import profile_blocks
+from memory.chain_profile import profile_blocks
 from partition.cluster import Cluster
 from partition.evaluate import even_split, fixed_plan
 from partition.runtime import launch, stage_module

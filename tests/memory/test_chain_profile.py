@@ -1,17 +1,13 @@
-"""memory.profile: per-block costs from fake tensors."""
+"""memory.chain_profile: per-block costs from fake tensors."""
 
 from __future__ import annotations
 
 import pytest
 
 from memory.blocks import as_blocks
+from memory.chain_profile import profile_blocks, profile_workload_fake
 from memory.measure import measure_in_child
-from memory.profile import (
-    Profile,
-    measure_disk_bandwidth,
-    profile_blocks,
-    profile_workload_fake,
-)
+from memory.profile import Profile
 from workloads import get_workload
 
 
@@ -122,10 +118,3 @@ def test_batchnorm_is_batch_dependent():
     assert (
         prof.blocks[0].buffer_bytes == (16 * 2 + 1) * 4 + 4
     )  # mean, var, count(int64)
-
-
-def test_disk_bandwidth_probe(tmp_path):
-    bw = measure_disk_bandwidth(tmp_path, nbytes=8 * 2**20)
-    assert bw.read_bytes_per_s > 1e6 and bw.write_bytes_per_s > 1e6
-    assert measure_disk_bandwidth(tmp_path) is bw  # cached
-    assert list(tmp_path.iterdir()) == []
