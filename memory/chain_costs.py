@@ -80,11 +80,15 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
         return self.live
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
+    def track_outputs(self, out: object) -> None:
+        """Count every strided tensor an operator returned."""
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self.track(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        self.track_outputs(out)
         return out
 
 
@@ -108,7 +112,8 @@ def record_saved(params: set[int], saved: dict[int, int]) -> Iterator[None]:
         yield
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole storage (what its views keep alive)."""
     return t.untyped_storage().nbytes()
 
 
@@ -190,8 +195,8 @@ def chain_costs(
         peak = tracker.peak - level
         kin, kout = storage_key(xin), storage_key(out)
         forward = _Forward(
-            input_bytes=_nbytes(xin),
-            output_bytes=_nbytes(out),
+            input_bytes=storage_nbytes(xin),
+            output_bytes=storage_nbytes(out),
             saved_bytes=sum(v for k, v in saved.items() if k not in (kin, kout)),
             saves_input=kin in saved,
             saves_output=kout in saved,
@@ -223,19 +228,8 @@ def chain_costs(
 # --------------------------------------------------------------------------- state
 @dataclass(frozen=True)
 class BlockState:
-    """A block's state, the ``BlockProfile`` fields that do not depend on the batch.
-
-    Attributes:
-        name: the block's module path.
-        num_params: parameters it owns.
-        param_bytes: bytes of the parameters it owns (shared ones: first owner only).
-        grad_bytes: bytes of the gradients of its trainable parameters.
-        optimizer_state_bytes: the optimizer's state for them (AdamW: 2 x).
-        buffer_bytes: bytes of its buffers (BatchNorm statistics).
-        max_param_tensor_bytes: its largest parameter tensor.
-        shared_param_bytes: bytes of parameters it uses that an earlier block owns.
-        shared_with: names of the blocks owning those parameters.
-    """
+    """A block's state: the ``memory.profile.BlockProfile`` fields that do not
+    depend on the batch, with the same names and meanings (documented there)."""
 
     name: str
     num_params: int

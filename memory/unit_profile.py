@@ -35,7 +35,13 @@ from torch.utils.flop_counter import flop_registry
 
 from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
 from memory.blocks import Block
-from memory.chain_costs import LiveBytes, block_state, is_batch_dependent
+from memory.chain_costs import (
+    LiveBytes,
+    block_state,
+    is_batch_dependent,
+    storage_key,
+    storage_nbytes,
+)
 from memory.errors import MemoryPlanError
 from memory.head import ChunkedHead, vocab_block_bytes
 from memory.probes import measure_flops_per_s
@@ -71,18 +77,8 @@ class _Tracker(LiveBytes):
                 )
             except Exception:  # a formula that does not take these arguments
                 pass
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                self.track(t)
+        self.track_outputs(out)
         return out
-
-
-def _key(t: torch.Tensor) -> int:
-    return id(t.untyped_storage())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
 
 
 class _Trace:
@@ -139,25 +135,25 @@ class _Trace:
         if not self.level[k]:
             self.level[k] = self.tracker.live
         for t in ins:
-            if _key(t) not in self.exclude:
-                self.inputs[k][_key(t)] = _nbytes(t)
+            if storage_key(t) not in self.exclude:
+                self.inputs[k][storage_key(t)] = storage_nbytes(t)
 
     def post(self, k: int, out: Any) -> None:
         outs = tensors_of(out)
         if torch.is_grad_enabled():
             self._claim(outs, k)
         for t in outs:
-            key = _key(t)
+            key = storage_key(t)
             if key not in self.exclude and key not in self.inputs[k]:
-                self.outputs[k][key] = _nbytes(t)
+                self.outputs[k][key] = storage_nbytes(t)
         self.inside = False  # glue from here on, charged to k
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         k = self.current
-        key = _key(t)
+        key = storage_key(t)
         if k >= 0 and key not in self.exclude:
             target = self.saved[k] if self.inside else self.glue_saved[k]
-            target[key] = _nbytes(t)
+            target[key] = storage_nbytes(t)
         return t
 
     # ---------------------------------------------------------------- backward
@@ -417,7 +413,7 @@ def profile_units(
     batch = batch_size_of(inputs)
     states = block_state(fake_units, optimizer)
     rows = _RowParams(fake_units, head)
-    exclude = {_key(t) for t in (*fake.parameters(), *fake.buffers())}
+    exclude = {storage_key(t) for t in (*fake.parameters(), *fake.buffers())}
     costs_by_m: dict[int, list[BlockCosts]] = {}
     base_extra = 0
     glue_of: list[int] = []
@@ -428,7 +424,7 @@ def profile_units(
             d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
         ]:
             x, y = split_batch(fx, fy, m)[0]
-            batch_keys = {_key(t) for t in tensors_of((x, y))}
+            batch_keys = {storage_key(t) for t in tensors_of((x, y))}
             counting = rows.hooks()
             try:
                 tr = _run_trace(
@@ -476,7 +472,7 @@ def profile_units(
         )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    batch_bytes = sum(_nbytes(t) for t in tensors_of((inputs, targets)))
+    batch_bytes = sum(storage_nbytes(t) for t in tensors_of((inputs, targets)))
     return Profile(
         loss_chunk_setting=loss_chunks,
         update_by_chunks=True,
