@@ -27,7 +27,8 @@ from fleetfit.cmd_simulate import format_rounds
             "not both",
         ),
         (["--fleet", "edge", "--workload", "gpt-tiny"], "--workload comes from"),
-        (["--fleet", "edge", "--fraction", "2"], "fraction = 2.0"),
+        (["--fleet", "edge", "--fraction", "2"], "fraction-train=2.0"),
+        (["--fleet", "edge", "--split", "iid"], "--split comes from"),
         (["--fleet", "edge", "--target", "0.5"], "--target applies to --compare"),
     ],
 )
@@ -70,3 +71,32 @@ def test_console_script_help():
         check=True,
     )
     assert "simulate" in out.stdout
+
+
+# Every default of a command's flags is the run config's (ServerConfig, RunShape):
+# a flag not given is not passed, so the run config's own default applies.
+def test_simulate_flags_default_to_the_run_config():
+    from fleetfit.cli import build_parser
+    from fleetfit.cmd_simulate import RUN_FLAGS, SHAPE_FLAGS, given
+
+    args = build_parser().parse_args(["simulate"])
+    assert given(args, SHAPE_FLAGS) == given(args, RUN_FLAGS) == {}
+    args = build_parser().parse_args(["simulate", "--alpha", "2", "--rounds", "3"])
+    assert given(args, SHAPE_FLAGS) == {"dirichlet_alpha": 2.0}
+    assert given(args, RUN_FLAGS) == {"num_server_rounds": 3}
+
+
+def test_simulate_fleet_takes_only_the_flags_given(monkeypatch):
+    import simulations.fleet
+
+    seen = {}
+
+    def load_fleet(source, **overrides):
+        seen.update(overrides)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(simulations.fleet, "load_fleet", load_fleet)
+    code = main(["simulate", "--fleet", "edge", "--lr", "0.01", "--seq", "32"])
+    assert code == 2
+    given = {k: v for k, v in seen.items() if v is not None}
+    assert given == {"lr": 0.01, "seq_len": 32}
