@@ -2,11 +2,18 @@
 
 import subprocess
 import sys
+import tomllib
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from fleetfit.cli import main
 from fleetfit.cmd_simulate import format_rounds
+from server.config import ServerConfig
+from wire.shape import RunShape
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -75,6 +82,65 @@ def test_console_script_help():
 
 # Every default of a command's flags is the run config's (ServerConfig, RunShape):
 # a flag not given is not passed, so the run config's own default applies.
+def test_server_passes_only_the_flags_given(tmp_path):
+    from fleetfit.cli import build_parser
+    from fleetfit.cmd_federation import check_run_config, server_run_config
+
+    out = tmp_path / "run"
+    args = build_parser().parse_args(["server", "--out", str(out)])
+    run_config = server_run_config(args, out)
+    assert run_config == f'out="{out}"'
+    cfg = check_run_config(run_config)
+    assert cfg == replace(ServerConfig(), out=str(out))
+    assert cfg.shape.local_steps == RunShape().local_steps == 20
+
+    args = build_parser().parse_args(
+        [
+            "server",
+            "--out",
+            str(out),
+            "--rounds",
+            "3",
+            "--local-steps",
+            "7",
+            "--workload",
+            "digits-mlp",
+            "--round-timeout",
+            "30",
+            "--seed",
+            "-2",
+            "--resume",
+            "--run-config",
+            "lr=0.01",
+        ]
+    )
+    cfg = check_run_config(server_run_config(args, out))
+    assert (cfg.num_server_rounds, cfg.shape.local_steps, cfg.shape.workload) == (
+        3,
+        7,
+        "digits-mlp",
+    )
+    assert (cfg.round_timeout_s, cfg.shape.seed, cfg.resume, cfg.shape.lr) == (
+        30.0,
+        -2,
+        True,
+        0.01,
+    )
+    assert (cfg.min_nodes, cfg.node_wait_s) == (
+        ServerConfig().min_nodes,
+        ServerConfig().node_wait_s,
+    )
+
+
+def test_the_apps_run_config_defaults_are_server_configs():
+    """``flwr run`` fills the keys a command does not pass from pyproject.toml's
+    [tool.flwr.app.config]: they must be ServerConfig's defaults."""
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    listed = app["config"]
+    defaults = ServerConfig().to_run_config()
+    assert {k: defaults[k] for k in listed} == listed
+
+
 def test_simulate_flags_default_to_the_run_config():
     from fleetfit.cli import build_parser
     from fleetfit.cmd_simulate import RUN_FLAGS, SHAPE_FLAGS, given
