@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     fleet = load_fleet(
         args.fleet,
-        rounds=args.rounds,
+        num_server_rounds=args.rounds,
         clients=args.clients,
         local_steps=args.local_steps,
     )
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"# fleet {fleet.name}: {fleet.clients} devices, {fleet.shape.workload}, "
-        f"{fleet.rounds} rounds x {fleet.shape.local_steps} local steps, fraction "
-        f"{fleet.fraction}, seed {fleet.shape.seed}"
+        f"{fleet.num_server_rounds} rounds x {fleet.shape.local_steps} local steps, fraction "
+        f"{fleet.fraction_train}, seed {fleet.shape.seed}"
     )
     print(f"# machine: {machine()}; compare wall time {wall:.0f} s\n")
     print(format_table(result))

@@ -126,16 +126,18 @@ class NodeConfig:
             raise ValueError(
                 f"partition-id={pid} must be in 0..num-partitions-1 (num-partitions={num})"
             )
-        fleet = fleet or {}
+        # This partition's entries of the fleet lists, each list read once.
+        fleet_memory, fleet_disk, fleet_speed = (
+            fleet_entry(fleet or {}, key, pid)
+            for key in (FLEET_MEMORY, FLEET_DISK, FLEET_SPEEDS)
+        )
         offload_dir = str(node_config.get("offload-dir") or tempfile.gettempdir())
         source = "measured"
         if "memory-budget" in node_config:
             budget = parse_bytes(node_config["memory-budget"], what="memory-budget")
             source = "node-config"
-        elif fleet_entry(fleet.get(FLEET_MEMORY), pid) is not None:
-            budget = parse_bytes(
-                fleet_entry(fleet.get(FLEET_MEMORY), pid) or "", what=FLEET_MEMORY
-            )
+        elif fleet_memory is not None:
+            budget = parse_bytes(fleet_memory, what=FLEET_MEMORY)
             source = "fleet"
         else:
             budget = int(MEMORY_SHARE * available_memory_bytes())
@@ -145,12 +147,8 @@ class NodeConfig:
                 node_config["disk-budget"], what="disk-budget", allow_zero=True
             )
             disk_key = "disk-budget"
-        elif fleet_entry(fleet.get(FLEET_DISK), pid) is not None:
-            disk = parse_bytes(
-                fleet_entry(fleet.get(FLEET_DISK), pid) or "0",
-                what=FLEET_DISK,
-                allow_zero=True,
-            )
+        elif fleet_disk is not None:
+            disk = parse_bytes(fleet_disk, what=FLEET_DISK, allow_zero=True)
             disk_key = FLEET_DISK
         else:
             disk = int(DISK_SHARE * free_disk_bytes(offload_dir))
@@ -199,16 +197,15 @@ class NodeConfig:
                 _reported.add(note)
                 log.warning("%s", note)
         speed = 1.0
-        raw_speed = fleet_entry(fleet.get(FLEET_SPEEDS), pid)
-        if raw_speed is not None:
+        if fleet_speed is not None:
             try:
-                speed = float(raw_speed)
+                speed = float(fleet_speed)
             except ValueError:
                 raise ValueError(
-                    f"{FLEET_SPEEDS} entry {raw_speed!r} is not a number"
+                    f"{FLEET_SPEEDS} entry {fleet_speed!r} is not a number"
                 ) from None
             if not speed > 0:
-                raise ValueError(f"{FLEET_SPEEDS} entry {raw_speed!r} must be > 0")
+                raise ValueError(f"{FLEET_SPEEDS} entry {fleet_speed!r} must be > 0")
         allowed = allowed_workloads(node_config)
         return cls(
             pid, num, budget, disk, source, offload_dir, speed, allowed, tuple(notes)

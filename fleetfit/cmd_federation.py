@@ -33,10 +33,23 @@ import urllib.request
 from pathlib import Path
 
 from fleetfit.args import positive_float, positive_int
+from server.config import ServerConfig
 
 log = logging.getLogger("fleetfit")
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[1]  # the Flower app: pyproject.toml
+_SERVER = ServerConfig()  # the run config's defaults: a flag not given keeps them
+
+# flag -> the run-config key it sets; only the flags given are written
+RUN_FLAGS = {
+    "rounds": "num-server-rounds",
+    "workload": "workload",
+    "min_nodes": "min-nodes",
+    "local_steps": "local-steps",
+    "round_timeout": "round-timeout",
+    "node_wait": "node-wait",
+    "seed": "seed",
+}
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -47,28 +60,49 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=positive_int, default=9091, help="SuperLink port")
-    s.add_argument("--rounds", type=positive_int, default=5, help="training rounds")
-    s.add_argument("--workload", default="digits-cnn", help="workload name")
     s.add_argument(
-        "--min-nodes", type=positive_int, default=2, help="nodes to wait for"
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help=f"training rounds (default: {_SERVER.num_server_rounds})",
+    )
+    s.add_argument(
+        "--workload",
+        default=None,
+        help=f"workload name or module:function (default: {_SERVER.shape.workload})",
+    )
+    s.add_argument(
+        "--min-nodes",
+        type=positive_int,
+        default=None,
+        help=f"nodes to wait for (default: {_SERVER.min_nodes})",
     )
     s.add_argument("--out", required=True, help="run folder")
     s.add_argument(
-        "--local-steps", type=positive_int, default=10, help="steps per round"
+        "--local-steps",
+        type=positive_int,
+        default=None,
+        help=f"steps per round (default: {_SERVER.shape.local_steps})",
     )
     s.add_argument(
         "--round-timeout",
         type=positive_float,
-        default=600.0,
-        help="seconds to wait for a round's replies",
+        default=None,
+        help="seconds to wait for a round's replies (default: "
+        f"{_SERVER.round_timeout_s:g})",
     )
     s.add_argument(
         "--node-wait",
         type=positive_float,
-        default=300.0,
-        help="seconds to wait for --min-nodes",
+        default=None,
+        help=f"seconds to wait for --min-nodes (default: {_SERVER.node_wait_s:g})",
     )
-    s.add_argument("--seed", type=int, default=0, help="seed of all randomness")
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"seed of all randomness (default: {_SERVER.shape.seed})",
+    )
     s.add_argument("--resume", action="store_true", help="continue from <out>/state")
     s.add_argument(
         "--database",
@@ -227,15 +261,33 @@ def superlink_database(path: str | None, work: Path) -> Path:
     return db
 
 
-def check_run_config(run_config: str) -> None:
+def server_run_config(args: argparse.Namespace, out: Path) -> str:
+    """The ``--run-config`` of ``flwr run``: ``out``, the flags the user gave (a flag
+    not given leaves its key to the app's run config, whose defaults are
+    ``ServerConfig``'s), ``resume`` if asked, then ``--run-config``'s own keys."""
+    pairs = [f"out={_toml_str(str(out))}"]
+    for flag, key in RUN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            pairs.append(f"{key}={_toml_value(value)}")
+    if args.resume:
+        pairs.append("resume=true")
+    return " ".join([*pairs, args.run_config]).strip()
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return _toml_str(value)
+    return repr(value)  # an int, or a float (repr keeps its point: TOML's float)
+
+
+def check_run_config(run_config: str) -> ServerConfig:
     """The server app's run config checked here, before any process starts: keys and
     values (``ServerConfig``) and the workload with its shape (a name that is no
     workload, a ``module:function`` that does not load). ``ValueError`` with one line
     naming the value; the ServerApp would otherwise fail only after the SuperLink and
     the run have started."""
     from flwr.common.config import parse_config_args
-
-    from server.config import ServerConfig
 
     try:
         parsed = parse_config_args([run_config])
@@ -245,7 +297,9 @@ def check_run_config(run_config: str) -> None:
             f"TOML values ({getattr(e, 'message', e)}); fix --run-config, e.g. "
             '--run-config "lr=0.01 min-replies=2"'
         ) from None
-    ServerConfig.from_run_config(parsed).load_workload()
+    cfg = ServerConfig.from_run_config(parsed)
+    cfg.load_workload()
+    return cfg
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -268,14 +322,8 @@ def run_server(args: argparse.Namespace) -> int:
             "source checkout"
         )
     out = Path(args.out).resolve()
-    run_config = (
-        f"num-server-rounds={args.rounds} workload={_toml_str(args.workload)} "
-        f"min-nodes={args.min_nodes} out={_toml_str(str(out))} "
-        f"local-steps={args.local_steps} round-timeout={float(args.round_timeout)} "
-        f"node-wait={float(args.node_wait)} seed={args.seed} "
-        f"resume={'true' if args.resume else 'false'} {args.run_config}"
-    ).strip()
-    check_run_config(run_config)
+    run_config = server_run_config(args, out)
+    num_rounds = check_run_config(run_config).num_server_rounds
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
     link_home, cli_home = work / "link", work / "cli"
@@ -358,9 +406,9 @@ def run_server(args: argparse.Namespace) -> int:
             if summary_path.exists()
             else 0
         )
-        if ran.returncode != 0 or rounds < args.rounds:
+        if ran.returncode != 0 or rounds < num_rounds:
             print(
-                f"fleetfit server: the run ended after {rounds} of {args.rounds} "
+                f"fleetfit server: the run ended after {rounds} of {num_rounds} "
                 f"rounds (flwr run exit {ran.returncode}); see {out}/superlink.log",
                 file=sys.stderr,
             )

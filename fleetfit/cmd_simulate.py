@@ -15,7 +15,39 @@ import time
 from typing import Any
 
 from fleetfit.args import non_negative_int, positive_float, positive_int
+from simulations.run import SimulationSettings
 from wire.shape import RunShape
+from workloads.splits import SPLITS
+
+_SHAPE = RunShape()  # the defaults: the run config's, one source
+_SIM = SimulationSettings()
+
+# flag -> the run-config setting it gives (a RunShape field, else SimulationSettings')
+SHAPE_FLAGS = {
+    "workload": "workload",
+    "local_steps": "local_steps",
+    "lr": "lr",
+    "seed": "seed",
+    "split": "split",
+    "alpha": "dirichlet_alpha",
+    "batch": "batch_size",
+    "seq": "seq_len",
+}
+RUN_FLAGS = {
+    "clients": "num_clients",
+    "rounds": "num_server_rounds",
+    "fraction": "fraction_train",
+}
+
+
+def given(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
+    """The settings of the flags the user gave (a flag not given is ``None``), by
+    field name: what is not given keeps its dataclass's default."""
+    return {
+        name: getattr(args, flag)
+        for flag, name in flags.items()
+        if getattr(args, flag) is not None
+    }
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +59,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        default=RunShape.workload,
-        help="built-in workload or module:function (default: %(default)s)",
+        default=None,
+        help=f"built-in workload or module:function (default: {_SHAPE.workload})",
     )
     p.add_argument(
         "--fleet",
@@ -69,62 +101,65 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--clients",
         type=positive_int,
         default=None,
-        help="virtual clients (default: 10, or the fleet's)",
+        help=f"virtual clients (default: {_SIM.num_clients}, or the fleet's)",
     )
     p.add_argument(
         "--rounds",
         type=positive_int,
         default=None,
-        help="federated rounds (default: 5, or the fleet's)",
+        help=f"federated rounds (default: {_SIM.num_server_rounds}, or the fleet's)",
     )
     p.add_argument(
         "--local-steps",
         type=positive_int,
         default=None,
-        help="optimizer steps per client per round (default: 20, or the fleet's)",
+        help="optimizer steps per client per round (default: "
+        f"{_SHAPE.local_steps}, or the fleet's)",
     )
     p.add_argument(
         "--lr",
         type=positive_float,
-        default=RunShape.lr,
-        help="client AdamW learning rate (default: %(default)s)",
+        default=None,
+        help=f"client AdamW learning rate (default: {_SHAPE.lr}, or the fleet's)",
     )
     p.add_argument(
         "--split",
-        default=RunShape.split,
-        choices=["iid", "dirichlet", "natural"],
-        help="how data is split across clients (default: %(default)s)",
+        default=None,
+        choices=SPLITS,
+        help=f"how data is split across clients (default: {_SHAPE.split})",
     )
     p.add_argument(
         "--alpha",
         type=positive_float,
-        default=RunShape.dirichlet_alpha,
-        help="Dirichlet concentration for --split dirichlet (default: %(default)s)",
+        default=None,
+        help="Dirichlet concentration for --split dirichlet (default: "
+        f"{_SHAPE.dirichlet_alpha}, or the fleet's)",
     )
     p.add_argument(
         "--fraction",
         type=positive_float,
         default=None,
-        help="share of clients sampled per round, in (0, 1] (default: 1, or the "
-        "fleet's)",
+        help="share of clients sampled per round, in (0, 1] (default: "
+        f"{_SIM.fraction_train:g}, or the fleet's)",
     )
     p.add_argument(
         "--batch",
         type=non_negative_int,
-        default=RunShape.batch_size,
-        help="local batch size (default: the workload's)",
+        default=None,
+        help="local batch size (default: the workload's, or the fleet's)",
     )
     p.add_argument(
         "--seq",
         type=non_negative_int,
-        default=RunShape.seq_len,
-        help="sequence length for language models (default: the workload's)",
+        default=None,
+        help="sequence length for language models (default: the workload's, or the "
+        "fleet's)",
     )
     p.add_argument(
         "--seed",
         type=int,
         default=None,
-        help="seed of all randomness (default: 0, or the fleet's)",
+        help=f"seed of all randomness (default: {_SHAPE.seed}, or the fleet's)",
     )
     p.add_argument(
         "--out", default=None, help="run folder (default: runs/simulate-<timestamp>)"
@@ -140,30 +175,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--{flag} needs --fleet: give a fleet file or one of phones, sbc, edge"
             )
-    from simulations.run import SimulationSettings, simulate
+    from simulations.run import simulate
 
     out = args.out or os.path.join("runs", time.strftime("simulate-%Y%m%d-%H%M%S"))
     settings = SimulationSettings(
-        shape=RunShape(
-            workload=args.workload,
-            local_steps=_or(args.local_steps, RunShape.local_steps),
-            lr=args.lr,
-            seed=_or(args.seed, RunShape.seed),
-            split=args.split,
-            dirichlet_alpha=args.alpha,
-            batch_size=args.batch,
-            seq_len=args.seq,
-        ),
-        num_clients=_or(args.clients, 10),
-        num_server_rounds=_or(args.rounds, SimulationSettings.num_server_rounds),
-        fraction_train=_or(args.fraction, SimulationSettings.fraction_train),
+        shape=RunShape(**given(args, SHAPE_FLAGS)),
+        **given(args, RUN_FLAGS),
         out=out,
         progress=not args.no_progress,
         ray_address=args.ray_address,
     )
     settings.validate()  # bad input fails here, before Ray starts
     print(
-        f"fleetfit simulate: {args.workload}, {settings.num_clients} clients, "
+        f"fleetfit simulate: {settings.shape.workload}, {settings.num_clients} clients, "
         f"{settings.num_server_rounds} rounds -> {out}",
         file=sys.stderr,
     )
@@ -174,10 +198,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
     return 0
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def run_fleet(args: argparse.Namespace) -> int:
@@ -193,8 +213,8 @@ def run_fleet(args: argparse.Namespace) -> int:
 
     if args.strategy is not None and args.compare is not None:
         raise ValueError("give --strategy or --compare, not both")
-    for flag, default in (("workload", RunShape.workload), ("split", RunShape.split)):
-        if getattr(args, flag) != default:
+    for flag in ("workload", "split"):
+        if getattr(args, flag) is not None:
             raise ValueError(
                 f"--{flag} comes from the fleet file with --fleet: edit the file's "
                 f"{flag} field instead"
@@ -203,11 +223,10 @@ def run_fleet(args: argparse.Namespace) -> int:
         raise ValueError("--target applies to --compare")
     fleet = load_fleet(
         args.fleet,
+        **given(args, SHAPE_FLAGS),  # the file's, where a flag is not given
         clients=args.clients,
-        rounds=args.rounds,
-        fraction=args.fraction,
-        local_steps=args.local_steps,
-        seed=args.seed,
+        num_server_rounds=args.rounds,
+        fraction_train=args.fraction,
     )
     names = check_strategies((args.compare or args.strategy or "fleetfit").split(","))
     out = args.out or os.path.join("runs", time.strftime(f"{fleet.name}-%Y%m%d-%H%M%S"))
@@ -217,7 +236,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         settings_for(fleet, name, out, workload=wl).validate()
     print(
         f"fleetfit simulate: fleet {fleet.name} ({fleet.clients} devices, "
-        f"{fleet.shape.workload}), {fleet.rounds} rounds, strategies {', '.join(names)} "
+        f"{fleet.shape.workload}), {fleet.num_server_rounds} rounds, strategies {', '.join(names)} "
         f"-> {out}",
         file=sys.stderr,
     )

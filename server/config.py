@@ -186,9 +186,14 @@ class ServerConfig:
         cfg.validate()
         return cfg
 
-    def validate(self) -> None:
+    def validate(self, what: str = "run-config") -> None:
+        """Check every value; ``ValueError`` naming the key, the value and the rule.
+
+        ``what`` names the source in the message (a fleet file reads the same keys).
+        """
+
         def bad(key: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"run-config {key}={value!r} is invalid: {rule}")
+            return ValueError(f"{what} {key}={value!r} is invalid: {rule}")
 
         shape = self.shape
         if self.num_server_rounds < 1:
@@ -199,7 +204,7 @@ class ServerConfig:
             raise bad("lr", shape.lr, "must be a positive number")
         if shape.split not in SPLITS:
             raise bad("split", shape.split, f"choose one of {', '.join(SPLITS)}")
-        if not shape.dirichlet_alpha > 0:
+        if not (math.isfinite(shape.dirichlet_alpha) and shape.dirichlet_alpha > 0):
             raise bad("dirichlet-alpha", shape.dirichlet_alpha, "must be > 0")
         if not 0 < self.fraction_train <= 1:
             raise bad("fraction-train", self.fraction_train, "must be in (0, 1]")

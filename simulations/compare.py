@@ -136,8 +136,8 @@ def settings_for(
     return SimulationSettings(
         shape=replace(fleet.shape, workload=workload or fleet.shape.workload),
         num_clients=fleet.clients,
-        num_server_rounds=fleet.rounds,
-        fraction_train=fleet.fraction,
+        num_server_rounds=fleet.num_server_rounds,
+        fraction_train=fleet.fraction_train,
         out=str(out),
         fleet=fleet.fleet_config(),
         strategy="fleetfit" if strategy == "fleetfit" else "exclude",

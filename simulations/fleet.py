@@ -1,23 +1,21 @@
 """Fleet descriptions: device classes with shares, memory, speed and availability.
 
-A fleet file is TOML (see ``simulations/fleets/`` and docs/simulations.md)::
+A fleet file is TOML (see ``simulations/fleets/`` and docs/simulations.md). Its run
+settings are the run config's own keys, names and defaults (``ServerConfig``, read by
+the same parser, ``wire.flat``); the rest describes the devices::
 
     name = "phones"
     clients = 20            # virtual devices
-    rounds = 4              # federated rounds
-    fraction = 0.5          # share of the online devices sampled per round
-    local_steps = 5
+    num-server-rounds = 4   # federated rounds (default 5)
+    fraction-train = 0.5    # share of the online devices sampled per round (default 1)
+    local-steps = 5         # optimizer steps per device per round (default 20)
     seed = 0
-
-    [workload]
-    name = "gpt-byte"       # built-in or module:function
-    batch = 8               # optional: the workload's default
-    seq = 128               # optional, language models
+    workload = "gpt-byte"   # built-in or module:function (default digits-cnn)
+    batch-size = 8          # optional: 0, the workload's default
+    seq-len = 128           # optional, language models
     lr = 0.003              # optional
-
-    [split]
-    kind = "natural"        # iid | dirichlet | natural (natural follows the classes)
-    alpha = 0.5             # dirichlet only
+    split = "natural"       # iid (default) | dirichlet | natural (by device class)
+    dirichlet-alpha = 0.5   # split = "dirichlet" only
 
     [[classes]]
     name = "3GB"
@@ -28,6 +26,12 @@ A fleet file is TOML (see ``simulations/fleets/`` and docs/simulations.md)::
     speed = 0.5             # relative compute speed (1: this machine)
     availability = 0.9      # probability that a device is online in a round
 
+The names fleet files had before (``rounds``, ``fraction``, ``local_steps``,
+``eval_windows``, ``[workload] name/batch/seq/lr``, ``[split] kind/alpha``) are still
+read, each with a one-line warning naming its run-config key (``RENAMED``); so is a
+file that leaves ``local-steps`` or ``split`` unset, whose defaults were 5 and
+``natural`` for fleet files before and are now the run config's.
+
 ``load_fleet`` validates everything before Ray starts; errors name the field and the
 value. Devices are numbered class by class (partition ids ``0..n-1``); a class gets
 ``round(share * clients)`` devices (largest remainder, at least one each).
@@ -35,6 +39,8 @@ value. Devices are numbered class by class (partition ids ``0..n-1``); a class g
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -45,30 +51,38 @@ import numpy as np
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
-from server.config import FleetConfig
+from server.config import FleetConfig, ServerConfig
+from wire.flat import flat_keys, from_flat
 from wire.shape import RunShape
-from workloads.registry import EVAL_MAX_ITEMS
-from workloads.splits import SPLITS
+
+log = logging.getLogger(__name__)
 
 FLEETS_DIR = Path(__file__).parent / "fleets"
 """The shipped fleet files (``phones.toml``, ``sbc.toml``, ``edge.toml``)."""
 
-_TOP = {
-    "name",
-    "description",
-    "clients",
-    "rounds",
-    "fraction",
-    "local_steps",
-    "seed",
-    "eval_windows",
-    "workload",
-    "split",
-    "classes",
-    "sources",
+_SERVER = ServerConfig()  # the run config's defaults, which a fleet file keeps
+
+RUN_KEYS = (*flat_keys(RunShape), "num-server-rounds", "fraction-train", "eval-windows")
+"""The run-config keys a fleet file may set (``ServerConfig``'s names and defaults)."""
+
+RENAMED = {
+    "rounds": "num-server-rounds",
+    "fraction": "fraction-train",
+    "local_steps": "local-steps",
+    "eval_windows": "eval-windows",
+    "workload.name": "workload",
+    "workload.batch": "batch-size",
+    "workload.seq": "seq-len",
+    "workload.lr": "lr",
+    "split.kind": "split",
+    "split.alpha": "dirichlet-alpha",
 }
-_WORKLOAD = {"name", "batch", "seq", "lr"}
-_SPLIT = {"kind", "alpha"}
+"""Fleet-file names before the run config's (deprecated) -> the run-config key."""
+
+_OLD_DEFAULTS = {"local-steps": 5, "split": "natural"}
+"""The fleet-file defaults that differed from the run config's (warned when relied on)."""
+
+_TOP = {"name", "description", "clients", "classes", "sources", *RUN_KEYS}
 _CLASS = {"name", "share", "memory", "disk", "speed", "availability", "note"}
 
 
@@ -102,11 +116,13 @@ class Fleet:
     name: str
     classes: tuple[DeviceClass, ...]
     clients: int
-    shape: RunShape  # workload, local_steps, lr, seed, split, alpha as the file sets
-    #   them (the file's own defaults: 5 local steps, a natural split)
-    rounds: int = 5
-    fraction: float = 1.0
-    eval_windows: int = EVAL_MAX_ITEMS  # language models: held-out windows per round
+    shape: RunShape  # [workload] [local-steps] [lr] [seed] [split] [dirichlet-alpha]
+    #   [batch-size] [seq-len] as the file sets them (the run config's defaults)
+    num_server_rounds: int = _SERVER.num_server_rounds  # [num-server-rounds]
+    fraction_train: float = _SERVER.fraction_train  # [fraction-train] share of the
+    #   online devices sampled per round
+    eval_windows: int = _SERVER.eval_windows  # [eval-windows] language models:
+    #   held-out windows per round
     description: str = ""
     file: str = ""
     partition_class: tuple[int, ...] = field(default=())  # class index per device
@@ -150,8 +166,8 @@ class Fleet:
             "file": self.file,
             "workload": self.shape.workload,
             "clients": self.clients,
-            "rounds": self.rounds,
-            "fraction": self.fraction,
+            "rounds": self.num_server_rounds,
+            "fraction": self.fraction_train,
             "local_steps": self.shape.local_steps,
             "seed": self.shape.seed,
             "split": self.shape.split,
@@ -178,9 +194,10 @@ def shipped_fleet(name: str) -> Path:
 def load_fleet(source: str | Path, **overrides: Any) -> Fleet:
     """Read and validate a fleet file (a path, or a shipped fleet's name).
 
-    ``overrides`` replace top-level fields after reading (``clients=1000``,
-    ``rounds=3``, ``fraction=0.01``, ``local_steps``, ``seed``), and are validated the
-    same way.
+    ``overrides`` replace settings after reading, by their run-config key in Python
+    spelling (``clients=1000``, ``num_server_rounds=3``, ``fraction_train=0.01``,
+    ``local_steps``, ``seed``, ``lr``, ...; ``None`` keeps the file's), and are
+    validated the same way.
 
     Raises:
         FleetError: the file is missing or not TOML, or a field is unknown, missing or
@@ -193,57 +210,47 @@ def load_fleet(source: str | Path, **overrides: Any) -> Fleet:
         raise FleetError(f"fleet file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise FleetError(f"fleet file {str(path)!r} is not valid TOML: {e}") from None
-    for key, value in overrides.items():
-        if value is not None:
-            data[key] = value
-    return parse_fleet(data, file=str(path))
+    return parse_fleet(data, file=str(path), **overrides)
 
 
-def parse_fleet(data: dict[str, Any], file: str = "") -> Fleet:
-    """Validate a fleet given as a dict (the TOML's content)."""
+def parse_fleet(data: dict[str, Any], file: str = "", **overrides: Any) -> Fleet:
+    """Validate a fleet given as a dict (the TOML's content); ``overrides`` as in
+    ``load_fleet``."""
     where = f"fleet {file!r}: " if file else "fleet: "
 
     def fail(msg: str) -> FleetError:
         return FleetError(where + msg)
 
+    data = _renamed(data, where, fail)
+    data.update({k.replace("_", "-"): v for k, v in overrides.items() if v is not None})
     _unknown(data, _TOP, "", fail)
+    for key, old in _OLD_DEFAULTS.items():
+        if key not in data:
+            log.warning(
+                "%s%s is not set: it is the run config's default, %s (fleet files "
+                "had %s before); write %s = %s to keep that",
+                where,
+                key,
+                json.dumps(getattr(_SERVER.shape, key.replace("-", "_"))),
+                json.dumps(old),
+                key,
+                json.dumps(old),
+            )
     name = _text(data.get("name", Path(file).stem or "fleet"), "name", fail)
     clients = _int(data.get("clients"), "clients", 1, fail)
-    rounds = _int(data.get("rounds", 5), "rounds", 1, fail)
-    local_steps = _int(data.get("local_steps", 5), "local_steps", 1, fail)
-    seed = _int(data.get("seed", 0), "seed", 0, fail)
-    eval_windows = _int(
-        data.get("eval_windows", EVAL_MAX_ITEMS), "eval_windows", 1, fail
-    )
-    fraction = _float(data.get("fraction", 1.0), "fraction", fail)
-    if not 0 < fraction <= 1:
-        raise fail(f"fraction = {fraction!r} must be in (0, 1]")
-
-    wl = data.get("workload", {"name": "digits-cnn"})
-    if isinstance(wl, str):
-        wl = {"name": wl}
-    if not isinstance(wl, dict):
-        raise fail(f"workload = {wl!r} must be a table with a name, e.g. [workload]")
-    _unknown(wl, _WORKLOAD, "workload.", fail)
-    workload = _text(wl.get("name"), "workload.name", fail)
-    batch = _int(wl.get("batch", 0), "workload.batch", 0, fail)
-    seq = _int(wl.get("seq", 0), "workload.seq", 0, fail)
-    lr = _float(wl.get("lr", 0.003), "workload.lr", fail)
-    if not lr > 0:
-        raise fail(f"workload.lr = {lr!r} must be > 0")
-
-    split = data.get("split", {"kind": "natural"})
-    if isinstance(split, str):
-        split = {"kind": split}
-    if not isinstance(split, dict):
-        raise fail(f"split = {split!r} must be a table, e.g. [split] kind = 'natural'")
-    _unknown(split, _SPLIT, "split.", fail)
-    kind = split.get("kind", "natural")
-    if kind not in SPLITS:
-        raise fail(f"split.kind = {kind!r} must be one of {', '.join(SPLITS)}")
-    alpha = _float(split.get("alpha", 0.5), "split.alpha", fail)
-    if not alpha > 0:
-        raise fail(f"split.alpha = {alpha!r} must be > 0")
+    # The run settings: ServerConfig's own parser and checks, its defaults.
+    try:
+        run = from_flat(
+            ServerConfig,
+            {k: data[k] for k in RUN_KEYS if k in data},
+            what=where.rstrip(" "),
+        )
+        run.validate(what=where.rstrip(" "))
+    except ValueError as e:
+        raise FleetError(str(e)) from None
+    shape = run.shape
+    if shape.seed < 0:
+        raise fail(f"seed = {shape.seed!r} must be an integer >= 0")
 
     raw_classes = data.get("classes")
     if not isinstance(raw_classes, list) or not raw_classes:
@@ -269,30 +276,54 @@ def parse_fleet(data: dict[str, Any], file: str = "") -> Fleet:
         )
     counts = _apportion([c.share for c in classes], clients)
     partition_class = tuple(i for i, n in enumerate(counts) for _ in range(n))
-    rng = np.random.default_rng([seed, 17])
+    rng = np.random.default_rng([shape.seed, 17])
     budgets = tuple(_draw(classes[k], rng) for k in partition_class)
     return Fleet(
         name=name,
         classes=classes,
         clients=clients,
-        shape=RunShape(
-            workload=workload,
-            local_steps=local_steps,
-            lr=lr,
-            seed=seed,
-            split=kind,
-            dirichlet_alpha=alpha,
-            batch_size=batch,
-            seq_len=seq,
-        ),
-        rounds=rounds,
-        fraction=fraction,
-        eval_windows=eval_windows,
+        shape=shape,
+        num_server_rounds=run.num_server_rounds,
+        fraction_train=run.fraction_train,
+        eval_windows=run.eval_windows,
         description=str(data.get("description", "")),
         file=file,
         partition_class=partition_class,
         budgets=budgets,
     )
+
+
+def _renamed(data: dict[str, Any], where: str, fail: Any) -> dict[str, Any]:
+    """``data`` with the deprecated names (``RENAMED``) as their run-config keys, a
+    warning for each; the ``[workload]`` and ``[split]`` tables become top-level
+    keys."""
+    out = dict(data)
+    old: dict[str, Any] = {}
+    for table in ("workload", "split"):
+        sub = out.get(table)
+        if isinstance(sub, dict):  # a string is the run config's own form
+            del out[table]
+            known = {k.partition(".")[2] for k in RENAMED if k.startswith(table + ".")}
+            _unknown(sub, known, f"{table}.", fail)
+            old.update({f"{table}.{k}": v for k, v in sub.items()})
+    old.update({k: out.pop(k) for k in list(out) if k in RENAMED})
+    for name, value in old.items():
+        key = RENAMED[name]
+        if key in out:
+            raise fail(
+                f"{name} and {key} are the same setting: keep {key} only (the run "
+                "config's name)"
+            )
+        out[key] = value
+        log.warning(
+            "%s%s is deprecated: write %s = %s at the top level (the run config's "
+            "name)",
+            where,
+            name,
+            key,
+            json.dumps(value),
+        )
+    return out
 
 
 def _device_class(raw: Any, i: int, fail: Any) -> DeviceClass:

@@ -2,11 +2,18 @@
 
 import subprocess
 import sys
+import tomllib
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from fleetfit.cli import main
 from fleetfit.cmd_simulate import format_rounds
+from server.config import ServerConfig
+from wire.shape import RunShape
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -27,7 +34,8 @@ from fleetfit.cmd_simulate import format_rounds
             "not both",
         ),
         (["--fleet", "edge", "--workload", "gpt-tiny"], "--workload comes from"),
-        (["--fleet", "edge", "--fraction", "2"], "fraction = 2.0"),
+        (["--fleet", "edge", "--fraction", "2"], "fraction-train=2.0"),
+        (["--fleet", "edge", "--split", "iid"], "--split comes from"),
         (["--fleet", "edge", "--target", "0.5"], "--target applies to --compare"),
     ],
 )
@@ -70,3 +78,91 @@ def test_console_script_help():
         check=True,
     )
     assert "simulate" in out.stdout
+
+
+# Every default of a command's flags is the run config's (ServerConfig, RunShape):
+# a flag not given is not passed, so the run config's own default applies.
+def test_server_passes_only_the_flags_given(tmp_path):
+    from fleetfit.cli import build_parser
+    from fleetfit.cmd_federation import check_run_config, server_run_config
+
+    out = tmp_path / "run"
+    args = build_parser().parse_args(["server", "--out", str(out)])
+    run_config = server_run_config(args, out)
+    assert run_config == f'out="{out}"'
+    cfg = check_run_config(run_config)
+    assert cfg == replace(ServerConfig(), out=str(out))
+    assert cfg.shape.local_steps == RunShape().local_steps == 20
+
+    args = build_parser().parse_args(
+        [
+            "server",
+            "--out",
+            str(out),
+            "--rounds",
+            "3",
+            "--local-steps",
+            "7",
+            "--workload",
+            "digits-mlp",
+            "--round-timeout",
+            "30",
+            "--seed",
+            "-2",
+            "--resume",
+            "--run-config",
+            "lr=0.01",
+        ]
+    )
+    cfg = check_run_config(server_run_config(args, out))
+    assert (cfg.num_server_rounds, cfg.shape.local_steps, cfg.shape.workload) == (
+        3,
+        7,
+        "digits-mlp",
+    )
+    assert (cfg.round_timeout_s, cfg.shape.seed, cfg.resume, cfg.shape.lr) == (
+        30.0,
+        -2,
+        True,
+        0.01,
+    )
+    assert (cfg.min_nodes, cfg.node_wait_s) == (
+        ServerConfig().min_nodes,
+        ServerConfig().node_wait_s,
+    )
+
+
+def test_the_apps_run_config_defaults_are_server_configs():
+    """``flwr run`` fills the keys a command does not pass from pyproject.toml's
+    [tool.flwr.app.config]: they must be ServerConfig's defaults."""
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    listed = app["config"]
+    defaults = ServerConfig().to_run_config()
+    assert {k: defaults[k] for k in listed} == listed
+
+
+def test_simulate_flags_default_to_the_run_config():
+    from fleetfit.cli import build_parser
+    from fleetfit.cmd_simulate import RUN_FLAGS, SHAPE_FLAGS, given
+
+    args = build_parser().parse_args(["simulate"])
+    assert given(args, SHAPE_FLAGS) == given(args, RUN_FLAGS) == {}
+    args = build_parser().parse_args(["simulate", "--alpha", "2", "--rounds", "3"])
+    assert given(args, SHAPE_FLAGS) == {"dirichlet_alpha": 2.0}
+    assert given(args, RUN_FLAGS) == {"num_server_rounds": 3}
+
+
+def test_simulate_fleet_takes_only_the_flags_given(monkeypatch):
+    import simulations.fleet
+
+    seen = {}
+
+    def load_fleet(source, **overrides):
+        seen.update(overrides)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(simulations.fleet, "load_fleet", load_fleet)
+    code = main(["simulate", "--fleet", "edge", "--lr", "0.01", "--seq", "32"])
+    assert code == 2
+    given = {k: v for k, v in seen.items() if v is not None}
+    assert given == {"lr": 0.01, "seq_len": 32}

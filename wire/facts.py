@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from wire import keys
-from wire.flat import split_list
+from wire.flat import read_tuple
 
 BUDGET_SOURCES = ("node-config", "fleet", "measured")
 
@@ -79,10 +79,25 @@ def _number(value: Any) -> bool:
     )
 
 
-def fleet_entry(spec: Any, partition_id: int) -> str | None:
-    """Entry ``partition_id`` (modulo the count) of a comma-separated fleet list
-    (``fleet-memory-budgets`` and the like); None where the list is empty."""
-    if spec is None:
+def fleet_entry(fleet: Mapping[str, Any], key: str, partition_id: int) -> Any:
+    """Entry ``partition_id`` (modulo the count) of the fleet list ``fleet[key]``
+    (``fleet-memory-budgets`` and the like: a comma-separated string or a list, read
+    as ``wire.flat`` reads ``FleetConfig``'s lists); None where the list is missing
+    or empty. The entry is a stripped string or a number, for the caller to parse.
+
+    Raises:
+        ValueError: the list is neither a string nor a list of strings and numbers,
+            naming the key and the value.
+    """
+    if fleet.get(key) is None:
         return None
-    items = split_list(str(spec))
+    items = read_tuple(fleet[key], key, what="fleet", item=_entry)
     return items[partition_id % len(items)] if items else None
+
+
+def _entry(x: Any) -> Any:
+    if isinstance(x, str):
+        return x.strip()
+    if isinstance(x, int | float) and not isinstance(x, bool):
+        return x
+    raise ValueError(f"entry {x!r} is neither a string nor a number")

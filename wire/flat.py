@@ -131,7 +131,9 @@ def _build(cls: type, values: Mapping[str, Any], what: str, base: Any) -> Any:
 def _value(f: dataclasses.Field, hint: Any, key: str, value: Any, what: str) -> Any:
     item = _items(hint)
     if item is not None:
-        return _tuple(f.metadata.get("item") or _PARSE[item], key, value, what)
+        return read_tuple(
+            value, key, what=what, item=f.metadata.get("item") or _PARSE[item]
+        )
     want = type(_default(f))
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -140,9 +142,16 @@ def _value(f: dataclasses.Field, hint: Any, key: str, value: Any, what: str) -> 
     return value
 
 
-def _tuple(
-    parse: Callable[[Any], Any], key: str, value: Any, what: str
+def read_tuple(
+    value: Any, key: str, *, what: str, item: Callable[[Any], Any]
 ) -> tuple[Any, ...]:
+    """A ``tuple[X, ...]`` field's value: a comma-separated string or a list, each
+    entry parsed with ``item`` (which raises ``ValueError`` saying what the entries
+    must be); the one reader of such lists, also for a node's fleet keys.
+
+    Raises:
+        ValueError: ``"{what} {key}={value!r} ..."``, naming the fault.
+    """
     if isinstance(value, str):
         entries: tuple[Any, ...] = split_list(value)
     elif isinstance(value, list | tuple):
@@ -152,7 +161,7 @@ def _tuple(
             f"{what} {key}={value!r} must be a comma-separated str or a list"
         )
     try:
-        return tuple(parse(x) for x in entries)
+        return tuple(item(x) for x in entries)
     except ValueError as e:
         raise ValueError(f"{what} {key}={value!r} is invalid: {e}") from None
 

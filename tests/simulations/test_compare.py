@@ -21,10 +21,11 @@ def digits_fleet():
         {
             "name": "tiny",
             "clients": 4,
-            "rounds": 2,
-            "local_steps": 10,
-            "workload": {"name": "digits-cnn"},
-            "split": {"kind": "dirichlet", "alpha": 1.0},
+            "num-server-rounds": 2,
+            "local-steps": 10,
+            "workload": "digits-cnn",
+            "split": "dirichlet",
+            "dirichlet-alpha": 1.0,
             "classes": [
                 {"name": "small", "share": 0.5, "memory": "110.3MB"},
                 {"name": "large", "share": 0.5, "memory": "1GB"},
@@ -73,9 +74,9 @@ def test_every_shipped_fleet_compares(name, tmp_path):
     fleet = load_fleet(  # 16 held-out windows: central evaluation was most of the time
         name,
         clients=len(full.classes),
-        rounds=1,
+        num_server_rounds=1,
         local_steps=1,
-        fraction=1.0,
+        fraction_train=1.0,
         eval_windows=16,
     )
     result = compare(

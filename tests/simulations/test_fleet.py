@@ -1,15 +1,19 @@
 """Fleet files: the shipped fleets load and look as documented; bad files fail with
-a message naming the field and the value, before Ray starts."""
+a message naming the field and the value, before Ray starts. The run settings are
+the run config's keys and defaults; the names fleet files had before still load, with a
+warning naming the new key."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
 
-from server.config import ServerConfig
+from server.config import FleetConfig, ServerConfig
 from simulations.compare import (
     base_workload,
     check_strategies,
@@ -17,15 +21,23 @@ from simulations.compare import (
     settings_for,
     smallest_model,
 )
-from simulations.fleet import FleetError, _apportion, load_fleet, parse_fleet
+from simulations.fleet import (
+    RENAMED,
+    FleetError,
+    _apportion,
+    load_fleet,
+    parse_fleet,
+)
+from wire.shape import RunShape
 
 
 def small(**over):
     base = {
         "name": "t",
         "clients": 4,
-        "workload": {"name": "digits-cnn"},
-        "split": {"kind": "natural"},
+        "workload": "digits-cnn",
+        "local-steps": 5,
+        "split": "natural",
         "classes": [
             {"name": "low", "share": 0.5, "memory": "120MB", "availability": 0.5},
             {"name": "high", "share": 0.5, "memory": {"min": "1GB", "max": "2GB"}},
@@ -68,8 +80,143 @@ def test_budgets_are_drawn_from_the_seed():
 
 
 def test_overrides_replace_top_level_fields():
-    fleet = load_fleet("edge", clients=20, rounds=2, fraction=0.5)
-    assert (fleet.clients, fleet.rounds, fleet.fraction) == (20, 2, 0.5)
+    fleet = load_fleet(
+        "edge", clients=20, num_server_rounds=2, fraction_train=0.5, lr=0.01, seed=None
+    )
+    assert (fleet.clients, fleet.num_server_rounds, fleet.fraction_train) == (
+        20,
+        2,
+        0.5,
+    )
+    assert (fleet.shape.lr, fleet.shape.seed) == (0.01, 0)
+
+
+# What the shipped fleet files loaded to on main, before they took the run config's
+# names: the rename must not change a single setting or budget.
+SHIPPED = {
+    "phones": dict(
+        shape=RunShape("gpt-byte", 5, 0.003, 0, "natural", 0.5, 8, 128),
+        num_server_rounds=4,
+        fraction_train=0.5,
+        eval_windows=256,
+        clients=12,
+        partition_class=(0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4),
+        budgets=(
+            210087014,
+            291643218,
+            300732079,
+            430133183,
+            417766527,
+            424575387,
+            411249274,
+            559766756,
+            570798370,
+            630458423,
+            586902738,
+            791326730,
+        ),
+    ),
+    "sbc": dict(
+        shape=RunShape("gpt-byte", 3, 0.003, 0, "natural", 0.5, 16, 256),
+        num_server_rounds=3,
+        fraction_train=0.5,
+        eval_windows=256,
+        clients=8,
+        partition_class=(0, 0, 1, 1, 2, 2, 3, 3),
+        budgets=tuple(n * 10**8 for n in (4, 4, 8, 8, 16, 16, 32, 32)),
+    ),
+    "edge": dict(
+        shape=RunShape("gpt-byte", 5, 0.003, 0, "natural", 0.5, 4, 64),
+        num_server_rounds=5,
+        fraction_train=1.0,
+        eval_windows=256,
+        clients=6,
+        partition_class=(0, 0, 1, 2, 3, 4),
+        budgets=(200116019, 214428812, 300000000, 320000000, 10**9, 2 * 10**9),
+    ),
+    "examples/transformers_fleet.toml": dict(
+        shape=RunShape(
+            "examples.transformers_gpt2:build", 8, 0.001, 0, "natural", 0.5, 0, 0
+        ),
+        num_server_rounds=5,
+        fraction_train=1.0,
+        eval_windows=256,
+        clients=3,
+        partition_class=(0, 1, 2),
+        budgets=(10**9, 118489088, 110100480),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_fleets_load_as_before_without_warnings(name, caplog):
+    with caplog.at_level(logging.WARNING, logger="simulations.fleet"):
+        fleet = load_fleet(name)
+    assert not caplog.records, caplog.text
+    want = SHIPPED[name]
+    got = {k: getattr(fleet, k) for k in want}
+    assert got == want
+
+
+OLD = {  # the phones fleet in the names fleet files had before the run config's
+    "name": "phones",
+    "clients": 12,
+    "rounds": 4,
+    "fraction": 0.5,
+    "local_steps": 5,
+    "seed": 0,
+    "eval_windows": 256,
+    "workload": {"name": "gpt-byte", "batch": 8, "seq": 128, "lr": 0.003},
+    "split": {"kind": "natural", "alpha": 0.5},
+}
+
+
+def test_old_names_load_the_same_fleet_with_a_warning_each(caplog):
+    new = load_fleet("phones")
+    with open(new.file, "rb") as f:
+        old = {**OLD, "classes": tomllib.load(f)["classes"]}
+    with caplog.at_level(logging.WARNING, logger="simulations.fleet"):
+        fleet = parse_fleet(old, file=new.file, description=new.description)
+    assert fleet == new
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(RENAMED) == 10
+    for name, key in RENAMED.items():
+        line = next(x for x in lines if f": {name} is deprecated" in x)
+        assert f"write {key} = " in line and "\n" not in line, line
+
+
+def test_old_and_new_name_together_is_an_error():
+    with pytest.raises(FleetError, match="rounds and num-server-rounds are the same"):
+        parse_fleet(small(rounds=2, **{"num-server-rounds": 3}))
+    with pytest.raises(FleetError, match="split.alpha and dirichlet-alpha are the"):
+        parse_fleet(small(split={"alpha": 1.0}, **{"dirichlet-alpha": 1.0}))
+
+
+def test_defaults_are_the_run_configs_and_a_changed_one_warns(caplog):
+    data = small()
+    del data["local-steps"], data["split"], data["workload"]
+    with caplog.at_level(logging.WARNING, logger="simulations.fleet"):
+        fleet = parse_fleet(data, file="f.toml")
+    server = ServerConfig()
+    assert fleet.shape == server.shape == RunShape()
+    assert fleet.num_server_rounds == server.num_server_rounds
+    assert fleet.fraction_train == server.fraction_train
+    assert fleet.eval_windows == server.eval_windows
+    assert fleet.fleet_config().classes == ()  # iid: the classes do not split data
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "local-steps is not set" in lines[0] and "write local-steps = 5" in lines[0]
+    assert "split is not set" in lines[1] and 'write split = "natural"' in lines[1]
+
+
+def test_a_fleet_is_the_run_configs_keys():
+    fleet = parse_fleet(small(**{"dirichlet-alpha": 2, "batch-size": 3, "seq-len": 7}))
+    cfg = ServerConfig.from_run_config(
+        {k: v for k, v in small().items() if k in ("workload", "local-steps", "split")}
+        | {"dirichlet-alpha": 2, "batch-size": 3, "seq-len": 7}
+    )
+    assert fleet.shape == cfg.shape
+    assert isinstance(fleet.fleet_config(), FleetConfig)
 
 
 def test_apportion_gives_every_class_a_device_and_sums():
@@ -120,11 +267,17 @@ def test_choices_draw_only_listed_sizes():
             ["unknown field classes[0].ram"],
         ),
         ({"clients": 0}, ["clients = 0"]),
-        ({"eval_windows": 0}, ["eval_windows = 0", ">= 1"]),
-        ({"eval_windows": "many"}, ["eval_windows = 'many'"]),
-        ({"fraction": 1.5}, ["fraction = 1.5"]),
-        ({"split": {"kind": "random"}}, ["split.kind = 'random'"]),
-        ({"workload": {"name": "digits-cnn", "lr": -1}}, ["workload.lr = -1"]),
+        ({"eval-windows": 0}, ["eval-windows=0", "at least 1"]),
+        ({"eval-windows": "many"}, ["eval-windows='many'", "must be a int"]),
+        ({"fraction-train": 1.5}, ["fraction-train=1.5", "(0, 1]"]),
+        ({"split": "random"}, ["split='random'", "iid"]),
+        ({"split": {"kind": "random"}}, ["split='random'"]),  # the old name too
+        ({"lr": -1}, ["lr=-1.0", "positive"]),
+        ({"local-steps": 0}, ["local-steps=0", "at least 1"]),
+        ({"local-steps": True}, ["local-steps=True", "int"]),
+        ({"dirichlet-alpha": 0}, ["dirichlet-alpha=0.0", "> 0"]),
+        ({"seed": -1}, ["seed = -1", ">= 0"]),
+        ({"workload": {"name": "x", "bath": 2}}, ["unknown field workload.bath"]),
         (
             {
                 "classes": [

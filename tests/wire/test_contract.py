@@ -174,8 +174,28 @@ def test_the_measurement_rule(requested, source, measure):
 
 
 def test_fleet_entries_wrap_by_partition():
-    assert fleet_entry("1GB, 2GB ,", 3) == "2GB"
-    assert fleet_entry(" , ", 0) is None and fleet_entry(None, 0) is None
+    key = "fleet-memory-budgets"
+    assert fleet_entry({key: "1GB, 2GB ,"}, key, 3) == "2GB"
+    assert fleet_entry({key: ["1GB", 2 * 10**9]}, key, 3) == 2 * 10**9
+    assert fleet_entry({key: " , "}, key, 0) is None
+    assert fleet_entry({key: None}, key, 0) is None and fleet_entry({}, key, 0) is None
+
+
+def test_fleet_entries_are_read_as_the_run_configs_lists():
+    """The node reads a fleet list as ServerConfig reads it (``wire.flat``): the same
+    entries, and a value that is no list fails naming the key."""
+    from server.config import FleetConfig
+    from wire.flat import from_flat
+
+    spec = {"fleet-speeds": " 1, 0.25 ,", "fleet-disk-budgets": ["0", "2GB"]}
+    cfg = from_flat(FleetConfig, spec, what="run-config")
+    for pid in range(4):
+        assert float(fleet_entry(spec, "fleet-speeds", pid)) == cfg.speeds[pid % 2]
+    assert fleet_entry(spec, "fleet-disk-budgets", 1) == "2GB"
+    with pytest.raises(ValueError, match="fleet fleet-speeds=True must be a comma"):
+        fleet_entry({"fleet-speeds": True}, "fleet-speeds", 0)
+    with pytest.raises(ValueError, match="fleet-speeds.*entry True is neither"):
+        fleet_entry({"fleet-speeds": [True]}, "fleet-speeds", 0)
 
 
 @dataclass(frozen=True)
