@@ -163,7 +163,7 @@ def target_name(target: Target) -> str:
             f"the target {qualname} is defined in __main__, which a measuring child "
             f"cannot import; {fix}"
         )
-    found = _resolve(module, qualname, sys.modules.get(module))
+    found = _resolve(qualname, sys.modules.get(module))
     if found is None or found != target:
         raise ValueError(
             f"the target {qualname} is not {module}.{qualname} (a bound method, a "
@@ -172,7 +172,22 @@ def target_name(target: Target) -> str:
     return f"{module}:{qualname}"
 
 
-def _resolve(module_name: str, qualname: str, module: Any) -> Any:
+def load_target(name: str) -> Callable[..., Any]:
+    """The function a ``"module:qualname"`` (``target_name``) names, imported.
+
+    Raises:
+        ValueError: a malformed name or no such function (one line).
+    """
+    import importlib
+
+    module = importlib.import_module(target_name(name).split(":")[0])
+    found = _resolve(name.split(":")[1], module)
+    if not callable(found):
+        raise ValueError(f"{name!r} names no function")
+    return found
+
+
+def _resolve(qualname: str, module: Any) -> Any:
     try:
         return reduce(getattr, qualname.split("."), module)
     except AttributeError:
