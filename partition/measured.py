@@ -239,6 +239,7 @@ class ChildRun:
         save_to: where the trained state goes (None: nowhere).
         options: the training function's own settings (JSON values).
         step_times_s: seconds of each step, appended by ``timed``.
+        write_s: seconds spent in ``write_state`` (not counted as training).
     """
 
     model: nn.Module
