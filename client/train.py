@@ -20,14 +20,16 @@ Its batches are the node's own (``Workload.node_batches``: ``load_data``).
 
 Measuring the peak (what a budget bounds: the training work's peak resident memory):
 
-- ``child`` (default): the work runs in a fresh process through
-  ``memory.measure.measure_in_child`` (``MALLOC_MMAP_THRESHOLD_=65536``): the peak is
-  its ``VmHWM`` minus its RSS right after imports (for a ``module:function``
-  workload: its module, and what its model's construction imports lazily, found by
-  building it on ``meta`` first: ``memory.step.warm_up``). The child builds the model, reads
-  the received arrays from a file one tensor at a time, trains on batches drawn by the
-  parent and written to a file (so it never holds the dataset) and writes the trained
-  arrays back. Everything the training holds counts.
+- ``child`` (default): the work runs in a fresh process through the one
+  measured-training path (``partition.measured.train_in_child``, with
+  ``train_window_job``; ``MALLOC_MMAP_THRESHOLD_=65536``): the peak is its ``VmHWM``
+  minus its RSS right after imports (for a ``module:function`` workload: its module,
+  and what its model's construction imports lazily, found by building it on ``meta``
+  first: ``memory.step.warm_up``). The child builds the model, reads the received
+  arrays from a file one tensor at a time (an ``any_model`` one: unit by unit within
+  the plan), trains on batches drawn by the parent and written to a file (so it never
+  holds the dataset) and writes the trained keys back. Everything the training holds
+  counts.
 - ``inline``: in this process: ``VmHWM`` is reset (``/proc/self/clear_refs``) before
   the work and the peak is ``VmHWM`` after it minus the RSS before it. Cheaper (no
   process start), but glibc may reuse memory freed earlier, so it can read low: use it
@@ -36,10 +38,6 @@ Measuring the peak (what a budget bounds: the training work's peak resident memo
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -48,19 +46,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  (AdamW's first step imports it: ~80 MB, an import)
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from memory.blocks import Block, as_blocks
-from memory.materialize import StateSource, params_on_meta
-from memory.measure import measure_in_child, peak_rss_bytes, reset_peak, rss_bytes
+from memory.materialize import StateSource
+from memory.measure import peak_rss_bytes, reset_peak, rss_bytes
 from memory.spec import MemoryPlan
-from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
-from partition.run import load_batches, save_batches
+from partition.measured import ChildRun, plain_steps, train_in_child
 from wire.windows import trained_keys
-from workloads import Workload, get_workload
+from workloads import Workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -140,17 +135,9 @@ def train_chain(
 ) -> tuple[list[float], list[str]]:
     """Train ``model`` in place on ``batches``; return the losses and trained keys."""
     keys = freeze_for_window(model, window)
-    losses: list[float] = []
     if window is None and plan is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        model.train()
-        for inputs, targets in batches:
-            loss = loss_fn(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        return losses, keys
+        return plain_steps(model, loss_fn, batches, lr=lr), keys
+    losses: list[float] = []
     blocks = as_blocks(model)
     start = 0 if window is None else window[0]
     stop = len(blocks) - 1 if window is None else window[1]
@@ -318,82 +305,31 @@ def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
     return actual
 
 
-def _load_into(model: nn.Module, arrays_file: str) -> None:
-    """Copy tensors from a safetensors file into ``model``, one at a time (plain
-    reads: a mapped file would stay resident until closed)."""
-    own = model.state_dict(keep_vars=True)
-    with TensorFile(arrays_file) as f, torch.no_grad():
-        for key in f.keys():
-            own[key].copy_(f.get_tensor(key))
-
-
-def train_in_child(
-    workload: str,
-    arrays_file: str,
-    batches_file: str,
-    out_file: str,
-    *,
-    plan: dict[str, Any] | None,
-    window: list[int] | None,
-    lr: float,
-    torch_seed: int,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    offload_dir: str | None = None,
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """The measured child's work: build, load, train, write the trained arrays."""
-    if threads:
-        torch.set_num_threads(threads)
-    custom = ":" in workload
-    # a module:function workload is built to read its example batch: without weights
-    with params_on_meta() if custom else contextlib.nullcontext():
-        wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
-    batches = load_batches(batches_file)
+def train_window_job(run: ChildRun) -> list[float]:
+    """The measured child's training function (``partition.measured.TrainFn``): the
+    window ``run.options["window"]`` (None: the whole model) under ``run.plan``; the
+    trained keys written to ``run.save_to``, tied keys once (an ``any_model``
+    workload's unit by unit, from its plan's store: ``train_units``)."""
+    window = run.options.get("window")
     kwargs: dict[str, Any] = dict(
-        plan=None if plan is None else MemoryPlan.from_dict(plan),
+        plan=run.plan,
         window=None if window is None else (window[0], window[1]),
-        lr=lr,
-        offload_dir=offload_dir,
+        lr=run.lr,
+        offload_dir=run.offload_dir,
     )
-    if wl.any_model:  # weights read unit by unit within the plan, update written so
-        with params_on_meta():
-            model = wl.make_model(0)
-        with TensorFile(arrays_file) as source:
-            torch.manual_seed(torch_seed)
-            t0 = time.perf_counter()
-            losses, _ = train_units(
-                model, wl, batches, init_state=source, save_to=out_file, **kwargs
-            )
-            train_s = time.perf_counter() - t0
-        return {"losses": losses, "train_s": train_s}
-    model = wl.make_model(0)
-    _load_into(model, arrays_file)
-    torch.manual_seed(torch_seed)
-    t0 = time.perf_counter()
-    losses, keys = train_model(model, wl, batches, **kwargs)
-    train_s = time.perf_counter() - t0
-    state = model.state_dict()
-    trained = {k: state[k].detach().contiguous() for k in keys}
-    kept = _untied(trained)  # tied keys (a head sharing the embedding) written once
-    aliases = {k: _first_with(kept, v) for k, v in trained.items() if k not in kept}
-    save_file(kept, out_file, metadata={"aliases": json.dumps(aliases)})
-    return {"losses": losses, "train_s": train_s}
-
-
-def _first_with(kept: dict[str, torch.Tensor], t: torch.Tensor) -> str:
-    ptr = t.untyped_storage().data_ptr()
-    return next(k for k, v in kept.items() if v.untyped_storage().data_ptr() == ptr)
-
-
-def _load_trained(path: str) -> dict[str, torch.Tensor]:
-    """``train_in_child``'s output: the trained tensors, tied keys restored."""
-    with safe_open(path, framework="pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    state = load_file(path)
-    for k, first in aliases.items():
-        state[k] = state[first]
-    return state
+    if run.workload.any_model:  # weights read unit by unit within the plan
+        losses, _ = train_units(
+            run.model,
+            run.workload,
+            run.batches,
+            init_state=run.init_state,
+            save_to=run.save_to,
+            **kwargs,
+        )
+        return losses
+    losses, keys = train_model(run.model, run.workload, run.batches, **kwargs)
+    run.write_state(run.model.state_dict(), keys=keys, tied="alias")
+    return losses
 
 
 def train_assigned(
@@ -468,49 +404,22 @@ def _train_child(
     lr: float,
     offload_dir: str | None,
 ) -> TrainResult:
-    custom = workload.kind == "custom"
-    with tempfile.TemporaryDirectory(prefix="fleetfit-client-") as tmp:
-        arrays_file = os.path.join(tmp, "arrays.safetensors")
-        batches_file = os.path.join(tmp, "batches.safetensors")
-        out_file = os.path.join(tmp, "trained.safetensors")
-        save_file(
-            {k: v.detach().contiguous() for k, v in _untied(model_state).items()},
-            arrays_file,
-        )
-        save_batches(batches_file, batches)
-        m = measure_in_child(
-            "client.train:train_in_child",
-            {
-                "workload": workload.name,
-                "arrays_file": arrays_file,
-                "batches_file": batches_file,
-                "out_file": out_file,
-                "plan": None if plan is None else plan.to_dict(),
-                "window": None if window is None else list(window),
-                "lr": lr,
-                "torch_seed": torch_seed,
-                "batch_size": workload.batch_size
-                if workload.kind != "custom"
-                else None,
-                "seq_len": workload.seq_len,
-                "offload_dir": offload_dir,
-                "threads": torch.get_num_threads(),
-            },
-            # a custom workload's module (and what it imports: transformers) is
-            # library code, imported before the baseline as torch is; so is what
-            # its model's construction imports lazily (transformers' modeling code:
-            # 62 MiB for the example GPT-2), as in `fleetfit memory run`
-            preload=(workload.name.split(":")[0],) if custom else (),
-            warmup=(
-                (
-                    "memory.step:warm_up",
-                    {"factory": workload.name, "factory_kwargs": {}},
-                )
-                if custom
-                else None
-            ),
-        )
-        state = _load_trained(out_file)
+    state, m = train_in_child(
+        train_window_job,
+        workload,
+        batches,
+        plan=plan,
+        lr=lr,
+        torch_seed=torch_seed,
+        threads=torch.get_num_threads(),
+        initial_state=model_state,
+        init="stream" if workload.any_model else "copy",
+        read_back=True,
+        options={"window": None if window is None else list(window)},
+        offload_dir=offload_dir,
+        timeout_s=600,
+    )
+    assert state is not None
     losses = m.result["losses"]
     return TrainResult(
         num_examples,
@@ -522,16 +431,3 @@ def _train_child(
         "child",
         len(losses),
     )
-
-
-def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory: keep the first key of each."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
-        if ptr in seen and ptr != -1:
-            continue
-        seen.add(ptr)
-        out[k] = v
-    return out

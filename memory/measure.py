@@ -10,8 +10,13 @@ resident and the figures do not mislead. The import baseline is reported separat
 On CUDA the figure is ``torch.cuda.max_memory_allocated()``, reported when the target
 used CUDA.
 
+The target is a module-level function (the child imports it by its
+``module:qualname``, ``target_name``) or, for callers outside this package, that name
+as a string.
+
 Example:
-    >>> m = measure_in_child("mypkg.jobs:train_steps", {"steps": 3})  # doctest: +SKIP
+    >>> from mypkg.jobs import train_steps  # doctest: +SKIP
+    >>> m = measure_in_child(train_steps, {"steps": 3})  # doctest: +SKIP
     >>> m.peak_bytes, m.baseline_bytes, m.result["losses"]  # doctest: +SKIP
 """
 
@@ -22,7 +27,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 from memory.errors import MeasurementError
@@ -120,6 +127,73 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+Target = str | Callable[..., Any]
+"""A measured child's function: a module-level function, or its ``"module:qualname"``."""
+
+
+def target_name(target: Target) -> str:
+    """The ``"module:qualname"`` a child imports ``target`` by.
+
+    Raises:
+        ValueError: a malformed name, or a function the child cannot import by name (a
+            lambda, a nested function, one defined in ``__main__``, a bound method or
+            a ``functools.partial``); one line naming it and the fix.
+    """
+    if isinstance(target, str):
+        if target.count(":") != 1 or not all(target.split(":")):
+            raise ValueError(
+                f"target must be 'package.module:function', got {target!r}"
+            )
+        return target
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None)
+    fix = "define it at module level in an importable module"
+    if not callable(target) or not module or not qualname:
+        raise ValueError(
+            f"a measuring child's target must be a function, got {target!r}; {fix}"
+        )
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        what = "a lambda" if qualname.endswith("<lambda>") else "a nested function"
+        raise ValueError(
+            f"the target {qualname} ({module}) is {what}: a measuring child imports "
+            f"its target by name; {fix}"
+        )
+    if module == "__main__":
+        raise ValueError(
+            f"the target {qualname} is defined in __main__, which a measuring child "
+            f"cannot import; {fix}"
+        )
+    found = _resolve(qualname, sys.modules.get(module))
+    if found is None or found != target:
+        raise ValueError(
+            f"the target {qualname} is not {module}.{qualname} (a bound method, a "
+            f"wrapped or replaced function?); {fix}"
+        )
+    return f"{module}:{qualname}"
+
+
+def load_target(name: str) -> Callable[..., Any]:
+    """The function a ``"module:qualname"`` (``target_name``) names, imported.
+
+    Raises:
+        ValueError: a malformed name or no such function (one line).
+    """
+    import importlib
+
+    module = importlib.import_module(target_name(name).split(":")[0])
+    found = _resolve(name.split(":")[1], module)
+    if not callable(found):
+        raise ValueError(f"{name!r} names no function")
+    return found
+
+
+def _resolve(qualname: str, module: Any) -> Any:
+    try:
+        return reduce(getattr, qualname.split("."), module)
+    except AttributeError:
+        return None
+
+
 # The child: imports, baseline, the call, the peak; the answer goes to a file so that
 # whatever the target prints cannot corrupt it.
 _CHILD = r"""
@@ -138,11 +212,15 @@ try:
     preload_runtime()  # what the first training step would import lazily
     for name in preload:  # the user's libraries count in the baseline, as torch does
         importlib.import_module(name)
+    def load(name):  # "module:qualname" -> the function
+        mod, qual = name.split(":")
+        obj = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        return obj
     if warmup:  # e.g. what a model's first construction imports lazily
-        w_mod, w_func = warmup[0].split(":")
-        getattr(importlib.import_module(w_mod), w_func)(**warmup[1])
-    module_name, func_name = target.split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+        load(warmup[0])(**warmup[1])
+    func = load(target)
     kwargs = json.loads(kwargs_json)
     baseline = status("VmRSS")
     file_baseline = status("RssFile")
@@ -168,13 +246,13 @@ with open(out_path, "w") as f:
 
 
 def measure_in_child(
-    target: str,
+    target: Target,
     kwargs: dict[str, Any] | None = None,
     *,
     env: dict[str, str] | None = None,
     timeout_s: float = 600,
     preload: tuple[str, ...] = (),
-    warmup: tuple[str, dict[str, Any]] | None = None,
+    warmup: tuple[Target, dict[str, Any]] | None = None,
 ) -> Measurement:
     """Run ``function(**kwargs)`` in a fresh Python process and measure its memory.
 
@@ -183,23 +261,27 @@ def measure_in_child(
     model construction included, counts in ``peak_bytes``.
 
     Args:
-        target: ``"package.module:function"``, importable in the child; the function
-            takes JSON values and returns a JSON-serialisable dict.
+        target: a module-level function, importable in the child (``target_name``;
+            ``"package.module:function"`` is accepted too); it takes JSON values and
+            returns a JSON-serialisable dict.
         kwargs: keyword arguments for the function (JSON-serialisable).
         env: extra environment variables for the child (on top of this process's).
         timeout_s: kill the child after this many seconds.
         preload: modules to import before the baseline, like torch (e.g. the
             ``transformers`` a model needs): libraries, not the training.
-        warmup: ``("package.module:function", kwargs)`` called before the baseline
-            too, for library code that loads on first use (``memory.step.warm_up``
-            builds a model on the meta device: what its construction imports).
+        warmup: ``(function, kwargs)`` called before the baseline too, for library
+            code that loads on first use (``memory.step.warm_up`` builds a model on
+            the meta device: what its construction imports).
 
     Raises:
+        ValueError: a target (or warm-up) the child cannot import by name, or
+            ``kwargs`` that are not JSON-serialisable.
         MeasurementError: the child raised (its traceback is in the message), crashed,
             was killed, or ran past ``timeout_s``.
     """
-    if target.count(":") != 1:
-        raise ValueError(f"target must be 'package.module:function', got {target!r}")
+    target = target_name(target)
+    if warmup is not None:
+        warmup = (target_name(warmup[0]), warmup[1])
     try:
         kwargs_json = json.dumps(kwargs or {})
     except TypeError as e:

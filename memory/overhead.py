@@ -90,7 +90,7 @@ def _generic_runtime() -> int:
     return int(
         cached(
             "runtime_overhead_bytes",
-            lambda: measure_in_child("memory.overhead:_probe", {}).peak_bytes,
+            lambda: measure_in_child(_probe, {}).peak_bytes,
         )
     )
 
@@ -99,12 +99,13 @@ def _workload_runtime(
     factory: str, kwargs: dict[str, Any], offload_dir: str | None
 ) -> int:
     from memory.measure import measure_in_child
+    from memory.step import runtime_probe, warm_up
 
     m = measure_in_child(
-        "memory.step:runtime_probe",
+        runtime_probe,
         {"factory": factory, "factory_kwargs": kwargs, "offload_dir": offload_dir},
         preload=(factory.split(":")[0],),
-        warmup=("memory.step:warm_up", {"factory": factory, "factory_kwargs": kwargs}),
+        warmup=(warm_up, {"factory": factory, "factory_kwargs": kwargs}),
         timeout_s=1800,
     )
     return int(m.result["file_bytes"])

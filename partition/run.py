@@ -1,128 +1,47 @@
-"""Train a workload for a few steps under a memory plan, or plainly: the function that
-``fleetfit memory run`` executes in a measured child process.
+"""``fleetfit memory run``: profile a workload, then train it for a few steps under a
+memory plan, or plainly, in a measured child process.
 
-The batches are drawn by the caller and handed over in a safetensors file, so the child
-holds exactly what a training job holds (model, optimizer state, the batch), not the
-dataset they were drawn from. The file (``save_batches``, ``load_batches``) stores each
-distinct tensor once and, in its metadata, which two tensors each step trains on: a
-custom workload trains its one example batch at every step, and the child then holds
-that batch once, as the training job does.
+The run goes through the one measured-training path (``partition.measured``:
+``train_in_child``), whose child trains a chain with ``train_chain_job``: plainly
+(torch AdamW) or through ``partition.local.LocalExecutor``, the initial weights read
+block by block from a file under a plan.
 
 A ``module:function`` workload that takes the any-model path (``uses_units``: dict or
 tuple inputs, the model's own loss, or children that do not run as a chain) is
 profiled per unit (``profile_any_model``) and trained in the child by
-``memory.step.train_measured``, which builds it from its function and applies the plan
-per unit (``memory.step.PlannedTrainer``), saving within the plan's memory.
+``memory.step.train_measured``, which builds it from its function (its own example
+batch at every step) and applies the plan per unit (``memory.step.PlannedTrainer``),
+saving within the plan's memory.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from memory.chain_profile import profile_workload_fake
-from memory.measure import Measurement, measure_in_child
+from memory.measure import Measurement, measure_in_child, target_name
 from memory.overhead import runtime_overhead_bytes, workload_runtime_bytes
 from memory.probes import measure_disk_bandwidth
 from memory.profile import Profile
 from memory.spec import MemoryPlan
-from memory.tensorfile import TensorFile
 from partition.local import LocalExecutor
+from partition.measured import (  # noqa: F401  (save_batches, load_batches: here too)
+    ChildRun,
+    load_batches,
+    plain_steps,
+    save_batches,
+    train_child,
+    train_in_child,
+    write_state,
+)
 from workloads import Workload, get_workload
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def save_batches(path: str | Path, batches: list[Any]) -> None:
-    """Write ``batches`` for ``train_workload`` (and ``load_batches``).
-
-    A batch is ``(inputs, targets)`` of any structure a workload gives: tensors, dicts,
-    tuples and lists of them, None and plain numbers (``model(**inputs)`` with
-    ``labels``, for a transformers model). The structure goes to the metadata with
-    each tensor replaced by its name in the file.
-
-    safetensors refuses tensors that share memory, yet a step's tensors may be ones
-    already written (a custom workload's example batch comes back at every step) or
-    views of one storage (inputs and targets sliced from one tensor). The same view is
-    written once, under one name that every step using it refers to; another view of a
-    storage already written is written as a copy of its elements.
-
-    Raises:
-        ValueError: a batch holds something other than tensors, containers of them,
-            None, numbers or strings (one line naming its type).
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    names: dict[tuple[Any, ...], str] = {}  # view of a storage -> its name in the file
-    storages: set[tuple[torch.device, int]] = set()  # those of the written tensors
-
-    def name_of(t: torch.Tensor) -> str:
-        view = (_storage(t), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
-        name = names.get(view)
-        if name is None:
-            out = t.detach().contiguous()  # a copy only if not contiguous
-            if _storage(out) in storages:
-                out = out.clone()
-            storages.add(_storage(out))
-            name = names[view] = f"tensor.{len(tensors)}"
-            tensors[name] = out
-        return name
-
-    def encode(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return {"t": name_of(x)}
-        if isinstance(x, dict):
-            return {"d": {str(k): encode(v) for k, v in x.items()}}
-        if isinstance(x, tuple | list):
-            return {"tuple" if isinstance(x, tuple) else "list": [encode(v) for v in x]}
-        if x is None or isinstance(x, bool | int | float | str):
-            return {"v": x}
-        raise ValueError(
-            f"a batch holds a {type(x).__name__}: batches may hold tensors, dicts, "
-            "tuples and lists of them, None, numbers and strings"
-        )
-
-    steps = [encode(b) for b in batches]
-    save_file(tensors, str(path), metadata={"batches": json.dumps(steps)})
-
-
-def load_batches(path: str | Path) -> list[Any]:
-    """The batches written by ``save_batches``, one per step, in their structure;
-    steps that trained on the same tensor get the same tensor object (read once)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-
-    def decode(x: dict[str, Any]) -> Any:
-        if "t" in x:
-            return tensors[x["t"]]
-        if "d" in x:
-            return {k: decode(v) for k, v in x["d"].items()}
-        if "tuple" in x:
-            return tuple(decode(v) for v in x["tuple"])
-        if "list" in x:
-            return [decode(v) for v in x["list"]]
-        return x["v"]
-
-    if "batches" in meta:
-        return [decode(b) for b in json.loads(meta["batches"])]
-    if "steps" in meta:  # an earlier version: pairs of tensor names
-        return [(tensors[x], tensors[y]) for x, y in json.loads(meta["steps"])]
-    n = sum(k.startswith("inputs.") for k in tensors)  # one tensor per key
-    return [(tensors[f"inputs.{i}"], tensors[f"targets.{i}"]) for i in range(n)]
-
-
-def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
-    return t.device, t.untyped_storage().data_ptr()
 
 
 def save_initial_state(
@@ -137,7 +56,34 @@ def save_initial_state(
     model = get_workload(workload, batch_size=batch_size, seq_len=seq_len).make_model(
         seed
     )
-    _save(str(path), model.state_dict())
+    write_state(path, model.state_dict(), tied="copy")
+
+
+def train_chain_job(run: ChildRun) -> list[float]:
+    """The training function of ``fleetfit memory run`` for a chain (``TrainFn``):
+    ``run.model`` whole, plainly (``plain_steps``) or under ``run.plan``
+    (``LocalExecutor``, the weights read from ``run.init_state`` when the model is on
+    ``meta``); each step timed; the final state written to ``run.save_to``, every key
+    its own copy."""
+    wl = run.workload
+    if run.plan is None:
+        losses = plain_steps(run.model, wl.loss_fn, run.timed(), lr=run.lr)
+        run.write_state(run.model.state_dict(), tied="copy")
+        return losses
+    source = run.init_state
+    with LocalExecutor(
+        run.model,
+        wl.loss_fn,
+        run.plan,
+        lr=run.lr,
+        offload_dir=run.offload_dir,
+        init_state=None if source is None else source.get_tensor,
+    ) as ex:
+        run.close_init_state()  # every weight is in the model or the store now
+        losses = [ex.step(inputs, targets) for inputs, targets in run.timed()]
+        if run.save_to:
+            run.write_state(ex.state_dict(), tied="copy")
+    return losses
 
 
 def train_workload(
@@ -154,7 +100,9 @@ def train_workload(
     threads: int | None = None,
     init_file: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``workload`` on the batches in ``batches_file``, one step per batch.
+    """Train ``workload`` on the batches in ``batches_file``, one step per batch, in
+    this process: what ``measured_run``'s child does (``train_child`` with
+    ``train_chain_job``).
 
     Args:
         workload: built-in name or ``module:function``.
@@ -171,57 +119,24 @@ def train_workload(
             once. The weights equal ``make_model(seed)``'s.
 
     Returns:
-        ``{"losses": [...], "step_times_s": [...], "step_s": median after the first}``.
+        ``{"losses": [...], "step_times_s": [...], "step_s": median after the first}``
+        (and ``train_s``).
     """
-    if threads:
-        torch.set_num_threads(threads)
-    wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
-    batches = load_batches(batches_file)
-    if init_file is not None and plan is not None:
-        with torch.device("meta"):
-            model = wl.make_model(seed)
-    else:
-        model = wl.make_model(seed)
-    losses: list[float] = []
-    times: list[float] = []
-    if plan is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        for inputs, targets in batches:
-            t0 = time.perf_counter()
-            loss = wl.loss_fn(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-        state = model.state_dict()
-        _save(save, state)
-    else:
-        mplan = MemoryPlan.from_dict(plan)
-        source = TensorFile(init_file) if init_file else None
-        with LocalExecutor(
-            model,
-            wl.loss_fn,
-            mplan,
-            lr=lr,
-            offload_dir=offload_dir,
-            init_state=None if source is None else source.get_tensor,
-        ) as ex:
-            if source is not None:
-                source.close()  # every weight is in the model or the store now
-            for inputs, targets in batches:
-                t0 = time.perf_counter()
-                losses.append(ex.step(inputs, targets))
-                times.append(time.perf_counter() - t0)
-            if save:
-                _save(save, ex.state_dict())
-    later = times[1:] or times
-    return {"losses": losses, "step_times_s": times, "step_s": statistics.median(later)}
-
-
-def _save(path: str | None, state: dict[str, torch.Tensor]) -> None:
-    if path:
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, path)
+    return train_child(
+        train=target_name(train_chain_job),
+        workload=workload,
+        batches_file=batches_file,
+        plan=plan,
+        lr=lr,
+        seed=seed,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        threads=threads,
+        init_file=init_file if plan is not None else None,
+        init="stream",
+        save_to=save,
+        offload_dir=offload_dir,
+    )
 
 
 def profile_workload(
@@ -263,36 +178,31 @@ def measured_run(
 
     Batches are drawn here from the workload's data (seeded) and handed over in a file;
     with a plan, the initial weights are written to a file too and the child reads them
-    block by block. Returns the measurement and the child's result.
+    block by block (``partition.measured.train_in_child``, ``train_chain_job``).
+    Returns the measurement and the child's result.
     """
     wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
     batches = wl.batches(wl.items(train=True), seed=seed)
-    with tempfile.TemporaryDirectory(prefix="fleetfit-run-", dir=offload_dir) as tmp:
-        batches_file = os.path.join(tmp, "batches.safetensors")
-        save_batches(batches_file, [next(batches) for _ in range(steps)])
-        init_file = None
-        if plan is not None:
-            init_file = os.path.join(tmp, "init.safetensors")
-            save_initial_state(
-                workload, init_file, seed=seed, batch_size=batch_size, seq_len=seq_len
-            )
-        kwargs: dict[str, Any] = dict(
-            workload=workload,
-            batches_file=batches_file,
-            plan=None if plan is None else plan.to_dict(),
-            seed=seed,
-            lr=lr,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            offload_dir=offload_dir,
-            save=save,
-            init_file=init_file,
+
+    def initial(path: str) -> None:  # built and written, not kept here
+        save_initial_state(
+            workload, path, seed=seed, batch_size=batch_size, seq_len=seq_len
         )
-        m = measure_in_child(
-            "partition.run:train_workload",
-            kwargs,
-            timeout_s=timeout_s,
-        )
+
+    _, m = train_in_child(
+        train_chain_job,
+        wl,
+        [next(batches) for _ in range(steps)],
+        plan=plan,
+        lr=lr,
+        seed=seed,
+        initial_state=None if plan is None else initial,
+        init="stream",
+        save=save,
+        offload_dir=offload_dir,
+        tmp_dir=offload_dir,
+        timeout_s=timeout_s,
+    )
     return m, m.result
 
 
@@ -377,11 +287,13 @@ def measured_any_model_run(
         save=None if save is None else os.path.abspath(save),
         init_state=None if init_state is None else os.path.abspath(init_state),
     )
+    from memory.step import train_measured, warm_up
+
     m = measure_in_child(
-        "memory.step:train_measured",
+        train_measured,
         kwargs,
         timeout_s=timeout_s,
         preload=(workload.split(":")[0],),
-        warmup=("memory.step:warm_up", {"factory": workload, "factory_kwargs": {}}),
+        warmup=(warm_up, {"factory": workload, "factory_kwargs": {}}),
     )
     return m, m.result

@@ -77,3 +77,28 @@ def test_the_wire_contract_imports_without_torch_but_for_its_windows():
     for path in (ROOT / "wire").rglob("*.py"):
         if path.name != "windows.py":
             assert not imported_tops(path) & {"torch", "memory", "workloads"}, path
+
+
+def test_measured_children_are_given_function_objects():
+    """A child's target is a function a reader (and a tool) can follow, never a
+    ``"module:function"`` string (``memory.measure.target_name`` names it)."""
+    bad = []
+    for package in ("memory", "partition", "client", "server"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                if name not in {"measure_in_child", "train_in_child"}:
+                    continue
+                args = list(node.args[:1]) + [
+                    k.value.elts[0]
+                    for k in node.keywords
+                    if k.arg == "warmup" and isinstance(k.value, ast.Tuple)
+                ]
+                if any(
+                    isinstance(a, ast.Constant) and isinstance(a.value, str)
+                    for a in args
+                ):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, bad

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from memory.errors import MeasurementError
-from memory.measure import measure_in_child, peak_rss_bytes, reset_peak, rss_bytes
+from memory.measure import (
+    measure_in_child,
+    peak_rss_bytes,
+    reset_peak,
+    rss_bytes,
+    target_name,
+)
 
 MB = 10**6
 
@@ -43,6 +51,51 @@ def test_missing_target_and_bad_kwargs():
         measure_in_child("memhelpers.allocate", {})
     with pytest.raises(ValueError, match="JSON"):
         measure_in_child("memhelpers:allocate", {"num_bytes": object()})
+
+
+def test_a_function_object_runs_as_the_target():
+    import memhelpers
+
+    m = measure_in_child(memhelpers.allocate, {"num_bytes": 20 * MB})
+    assert m.result == {"sum": pytest.approx(20 * MB / 4 / 4096, rel=1e-3)}
+    assert target_name(memhelpers.allocate) == "memhelpers:allocate"
+    assert target_name(memhelpers.Targets.allocate) == "memhelpers:Targets.allocate"
+    # a static method is imported by its qualified name
+    m = measure_in_child(memhelpers.Targets.allocate, {"num_bytes": 4 * 4096 * 16})
+    assert m.result == {"sum": 16.0}
+    # the warm-up may be a function object too
+    m = measure_in_child(
+        memhelpers.getenv, {"keys": []}, warmup=(memhelpers.sleep, {"seconds": 0})
+    )
+    assert m.result == {}
+
+
+def _nested_target() -> None:
+    def inner() -> dict:
+        return {}
+
+    return inner  # type: ignore[return-value]
+
+
+class _Holder:
+    def run(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("target", "needle"),
+    [
+        (lambda: {}, "is a lambda"),
+        (_nested_target(), "is a nested function"),
+        (functools.partial(abs, 1), "must be a function"),
+        (_Holder().run, "bound method"),
+    ],
+)
+def test_a_target_the_child_cannot_import_is_refused_in_one_line(target, needle):
+    with pytest.raises(ValueError, match=needle) as e:
+        measure_in_child(target, {})
+    assert "\n" not in str(e.value)
+    assert "module level" in str(e.value)
 
 
 def test_timeout_kills_the_child():
