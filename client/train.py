@@ -347,16 +347,32 @@ def train_assigned(
 ) -> TrainResult:
     """Train under an assignment and measure the peak of the work (see module doc)."""
     if measure == "child":
-        return _train_child(
-            model_state,
+        state, m = train_in_child(
+            train_window_job,
             workload,
             batches,
-            num_examples=num_examples,
-            torch_seed=torch_seed,
             plan=plan,
-            window=window,
             lr=lr,
+            torch_seed=torch_seed,
+            threads=torch.get_num_threads(),
+            initial_state=model_state,
+            init="stream" if workload.any_model else "copy",
+            read_back=True,
+            options={"window": None if window is None else list(window)},
             offload_dir=offload_dir,
+            timeout_s=600,
+        )
+        assert state is not None
+        losses = m.result["losses"]
+        return TrainResult(
+            num_examples,
+            float(np.mean(losses)),
+            float(m.result["train_s"]),
+            state,
+            m.peak_bytes,
+            m.baseline_bytes,
+            "child",
+            len(losses),
         )
     method = "inline"
     try:
@@ -388,46 +404,5 @@ def train_assigned(
         peak,
         rss0,
         method,
-        len(losses),
-    )
-
-
-def _train_child(
-    model_state: dict[str, torch.Tensor],
-    workload: Workload,
-    batches: list[Batch],
-    *,
-    num_examples: int,
-    torch_seed: int,
-    plan: MemoryPlan | None,
-    window: tuple[int, int] | None,
-    lr: float,
-    offload_dir: str | None,
-) -> TrainResult:
-    state, m = train_in_child(
-        train_window_job,
-        workload,
-        batches,
-        plan=plan,
-        lr=lr,
-        torch_seed=torch_seed,
-        threads=torch.get_num_threads(),
-        initial_state=model_state,
-        init="stream" if workload.any_model else "copy",
-        read_back=True,
-        options={"window": None if window is None else list(window)},
-        offload_dir=offload_dir,
-        timeout_s=600,
-    )
-    assert state is not None
-    losses = m.result["losses"]
-    return TrainResult(
-        num_examples,
-        float(np.mean(losses)),
-        float(m.result["train_s"]),
-        state,
-        m.peak_bytes,
-        m.baseline_bytes,
-        "child",
         len(losses),
     )
