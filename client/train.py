@@ -48,6 +48,7 @@ import torch
 import torch._dynamo  # noqa: F401  (AdamW's first step imports it: ~80 MB, an import)
 from torch import nn
 
+from memory.batch import short_batch_microbatches
 from memory.blocks import Block, as_blocks
 from memory.materialize import StateSource
 from memory.measure import peak_rss_bytes, reset_peak, rss_bytes
@@ -220,7 +221,6 @@ def train_units(
     if plan is None:
         plan = MemoryPlan.plain([u.name for u in units])
     planned = max(_batch_size(b) for b in batches) if batches else 1
-    losses: list[float] = []
     trainer = PlannedTrainer(
         model,
         plan,
@@ -231,11 +231,7 @@ def train_units(
         init_state=init_state,
     )
     try:
-        for inputs, targets in batches:
-            m = short_batch_microbatches(
-                plan.num_microbatches, planned=planned, actual=_batch_size((inputs,))
-            )
-            losses.append(trainer.step(inputs, targets, num_microbatches=m))
+        losses = trainer.train(batches, planned_size=planned)
         if save_to is not None:
             trainer.save(save_to, keys=keys)
     finally:
@@ -283,26 +279,6 @@ def train_model(
         lr=lr,
         offload_dir=offload_dir,
     )
-
-
-def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
-    """Micro-batches for batches of ``actual`` examples under a plan that cuts
-    ``planned``-example batches into ``m``.
-
-    A client with fewer items than a batch trains short batches (all of one size),
-    which need not split into the plan's ``m`` equal micro-batches; the smallest
-    divisor ``k`` of ``actual`` with ``actual / k <= planned // m`` (at worst ``actual``
-    micro-batches of one example) gives equal micro-batches no larger than the plan's,
-    so its memory bound holds. ``planned`` is the largest batch of the round (the
-    plan's batch or less, which only makes the bound safer).
-    """
-    if m <= 1 or actual % m == 0:
-        return m
-    per = max(1, planned // m)
-    for k in range(1, actual + 1):
-        if actual % k == 0 and actual // k <= per:
-            return k
-    return actual
 
 
 def train_window_job(run: ChildRun) -> list[float]:

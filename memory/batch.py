@@ -61,6 +61,26 @@ def batch_size_of(inputs: Any) -> int:
     )
 
 
+def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
+    """Micro-batches for batches of ``actual`` examples under a plan that cuts
+    ``planned``-example batches into ``m``.
+
+    A client with fewer items than a batch trains short batches (all of one size),
+    which need not split into the plan's ``m`` equal micro-batches; the smallest
+    divisor ``k`` of ``actual`` with ``actual / k <= planned // m`` (at worst ``actual``
+    micro-batches of one example) gives equal micro-batches no larger than the plan's,
+    so its memory bound holds. ``planned`` is the largest batch of the round (the
+    plan's batch or less, which only makes the bound safer).
+    """
+    if m <= 1 or actual % m == 0:
+        return m
+    per = max(1, planned // m)
+    for k in range(1, actual + 1):
+        if actual % k == 0 and actual // k <= per:
+            return k
+    return actual
+
+
 def split_batch(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:
     """``parts`` equal micro-batches of ``(inputs, targets)`` along the batch dimension.
 

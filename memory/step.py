@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from memory.apply import AppliedPlan
-from memory.batch import count_items, loss_of, split_batch
+from memory.batch import (
+    batch_size_of,
+    count_items,
+    loss_of,
+    short_batch_microbatches,
+    split_batch,
+)
 from memory.blocks import Block
 from memory.errors import MemoryPlanError
 from memory.guard import MemoryGuard
@@ -217,6 +223,27 @@ class PlannedTrainer:
                 self._update()
             self.guard.check()
         return loss
+
+    def train(
+        self, batches: Iterable[Any], *, planned_size: int | None = None
+    ) -> list[float]:
+        """One ``step`` per ``(inputs, targets)`` batch; returns their losses.
+
+        A batch shorter than ``planned_size`` (the largest batch of the run; default:
+        the plan's batch, taken as the first batch's size) that does not divide into
+        the plan's micro-batches gets ``short_batch_microbatches``'s count: equal
+        micro-batches no larger than the plan's, so its memory bound holds."""
+        losses: list[float] = []
+        m = self.plan.num_microbatches
+        for inputs, targets in batches:
+            k = m
+            if m > 1:
+                actual = batch_size_of(inputs)
+                if planned_size is None:
+                    planned_size = actual
+                k = short_batch_microbatches(m, planned=planned_size, actual=actual)
+            losses.append(self.step(inputs, targets, num_microbatches=k))
+        return losses
 
     def backward(
         self, inputs: Any, targets: Any = None, *, num_microbatches: int | None = None
@@ -534,13 +561,17 @@ def train_measured(
     finally:
         if source is not None:
             source.close()  # every weight is in the model or the store now
-    losses, times = [], []
-    try:
+    times: list[float] = []
+
+    def timed() -> Iterator[tuple[Any, Any]]:  # each step seeded and timed
         for s in range(steps):
             torch.manual_seed(seed + 1 + s)
             t0 = time.perf_counter()
-            losses.append(tr.step(inputs, targets))
+            yield inputs, targets
             times.append(time.perf_counter() - t0)
+
+    try:
+        losses = tr.train(timed())
         if save:
             tr.save(save)
     finally:
@@ -569,7 +600,7 @@ def runtime_probe(
     import gc
     import tempfile
 
-    from memory.batch import batch_size_of, map_tensors
+    from memory.batch import map_tensors
     from memory.measure import _status_bytes
     from memory.spec import BlockPlan
 

@@ -47,7 +47,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from memory.materialize import params_on_meta
-from memory.measure import Measurement, load_target, measure_in_child, target_name
+from memory.measure import (
+    Measurement,
+    load_target,
+    measure_in_child,
+    rss_bytes,
+    target_name,
+)
 from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from workloads import Workload, get_workload
@@ -217,8 +223,9 @@ def plain_steps(
 InitMode = Literal["copy", "stream"]
 """How the child takes its initial state: ``copy``: the model is built, then every
 tensor in the file copied in, one at a time; ``stream``: the model is built without
-weights (chains on ``meta``, any-model workloads under
-``memory.materialize.params_on_meta``) and the training function reads them within
+weights (chains on ``meta``; any-model workloads, and those trained per unit, the
+option ``per-unit``, under ``memory.materialize.params_on_meta``) and the training
+function reads them within
 the plan (``ChildRun.init_state``)."""
 
 
@@ -240,6 +247,9 @@ class ChildRun:
         options: the training function's own settings (JSON values).
         step_times_s: seconds of each step, appended by ``timed``.
         write_s: seconds spent in ``write_state`` (not counted as training).
+        baseline_bytes: the child's resident bytes when it started (torch and the
+            preloaded modules), for a ``memory.guard.MemoryGuard`` at the plan's
+            budget.
     """
 
     model: nn.Module
@@ -253,6 +263,7 @@ class ChildRun:
     options: dict[str, Any]
     step_times_s: list[float] = field(default_factory=list)
     write_s: float = 0.0
+    baseline_bytes: int = 0
 
     def timed(self) -> Iterator[Any]:
         """The batches, each step's seconds appended to ``step_times_s``."""
@@ -331,9 +342,11 @@ def train_child(
         of the training function (writing the state excluded), ``step_s`` the median
         step after the first (None when the function timed no step).
     """
+    baseline = rss_bytes()  # the measuring child's, just taken
     if threads:
         torch.set_num_threads(threads)
     fn = load_target(train)
+    options = options or {}
     # a module:function workload is built to read its example batch: without weights
     with params_on_meta() if ":" in workload else contextlib.nullcontext():
         wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
@@ -342,7 +355,8 @@ def train_child(
     if init_file is not None and init == "stream":
         # PlannedTrainer needs real buffers (computed in __init__); the chain executor
         # reads buffers from the file too
-        with params_on_meta() if wl.any_model else torch.device("meta"):
+        per_unit = wl.any_model or options.get("per-unit", False)
+        with params_on_meta() if per_unit else torch.device("meta"):
             model = wl.make_model(seed)
         source = _AliasedFile(init_file)
     else:
@@ -358,7 +372,8 @@ def train_child(
         offload_dir,
         source,
         save_to,
-        options or {},
+        options,
+        baseline_bytes=baseline,
     )
     if torch_seed is not None:
         torch.manual_seed(torch_seed)
@@ -391,7 +406,11 @@ def train_in_child(
     seed: int = 0,
     torch_seed: int | None = None,
     threads: int | None = None,
-    initial_state: Mapping[str, torch.Tensor] | Callable[[str], None] | None = None,
+    initial_state: Mapping[str, torch.Tensor]
+    | Callable[[str], None]
+    | str
+    | os.PathLike
+    | None = None,
     init: InitMode = "copy",
     save: str | None = None,
     read_back: bool = False,
@@ -415,7 +434,8 @@ def train_in_child(
         initial_state: the weights the child starts from: a state dict (written to
             a file here) or a function writing them to the path it is given (a
             safetensors file; the weights need not exist here while the child
-            runs); None: ``make_model(seed)``'s.
+            runs), or the path of such a file (read where it is); None:
+            ``make_model(seed)``'s.
         init: how the child takes ``initial_state`` (``InitMode``).
         save: where the trained state goes (None: a temporary file, when
             ``read_back``).
@@ -451,7 +471,9 @@ def train_in_child(
     with tempfile.TemporaryDirectory(prefix="fleetfit-train-", dir=tmp_dir) as tmp:
         kwargs["batches_file"] = os.path.join(tmp, "batches.safetensors")
         save_batches(kwargs["batches_file"], batches)
-        if initial_state is not None:
+        if isinstance(initial_state, (str, os.PathLike)):
+            kwargs["init_file"] = os.path.abspath(initial_state)
+        elif initial_state is not None:
             kwargs["init_file"] = os.path.join(tmp, "initial.safetensors")
             if callable(initial_state):
                 initial_state(kwargs["init_file"])

@@ -8,10 +8,10 @@ block by block from a file under a plan.
 
 A ``module:function`` workload that takes the any-model path (``uses_units``: dict or
 tuple inputs, the model's own loss, or children that do not run as a chain) is
-profiled per unit (``profile_any_model``) and trained in the child by
-``memory.step.train_measured``, which builds it from its function (its own example
-batch at every step) and applies the plan per unit (``memory.step.PlannedTrainer``),
-saving within the plan's memory.
+profiled per unit (``profile_any_model``) and trained through the same
+``train_in_child`` with ``train_units_job``: its own example batch at every step, the
+plan applied per unit (``memory.step.PlannedTrainer``), saving within the plan's
+memory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from memory.chain_profile import profile_workload_fake
-from memory.measure import Measurement, measure_in_child, target_name
+from memory.measure import Measurement, target_name
 from memory.overhead import runtime_overhead_bytes, workload_runtime_bytes
 from memory.probes import measure_disk_bandwidth
 from memory.profile import Profile
@@ -258,6 +258,55 @@ def profile_any_model(
     return {c: p.with_disk(disk) for c, p in profiles.items()}
 
 
+def train_units_job(run: ChildRun) -> list[float]:
+    """The training function of ``fleetfit memory run`` for a workload planned per
+    unit (``uses_units``; ``TrainFn``): the whole model through
+    ``memory.step.PlannedTrainer``, plainly (a plan of plain units) or under
+    ``run.plan``, guarded at the plan's budget (``memory.guard.MemoryGuard``); the
+    weights read unit by unit from ``run.init_state`` when given; each step timed; the
+    trained state written to ``run.save_to`` within the plan's memory
+    (``PlannedTrainer.save``)."""
+    from memory.materialize import materialize
+    from memory.step import PlannedTrainer, TrainSettings, units_by_name
+    from memory.units import find_units
+
+    wl = run.workload
+    assert wl.example is not None, f"{wl.name} is not a module:function workload"
+    inputs, _, loss_fn = wl.example
+    source = run.init_state
+    if run.plan is None:
+        if source is not None:
+            materialize(run.model, source)  # plain: every weight resident
+        units = find_units(run.model, inputs)
+        plan = MemoryPlan.plain([u.name for u in units])
+    else:
+        plan = run.plan
+        units = (
+            units_by_name(run.model, [b.name for b in plan.blocks])
+            if source is not None  # weights not there yet: the plan names the units
+            else find_units(run.model, inputs)
+        )
+    trainer = PlannedTrainer(
+        run.model,
+        plan,
+        units=units,
+        loss_fn=loss_fn,
+        settings=TrainSettings(lr=run.lr),
+        offload_dir=run.offload_dir,
+        memory_budget_bytes=plan.budget_bytes if run.plan is not None else None,
+        baseline_bytes=run.baseline_bytes,
+        init_state=source,
+    )
+    run.close_init_state()  # every weight is in the model or the store now
+    try:
+        losses = trainer.train(run.timed())
+        if run.save_to:
+            trainer.save(run.save_to)
+    finally:
+        trainer.close(restore=False)  # the state is saved: nothing to bring back
+    return losses
+
+
 def measured_any_model_run(
     workload: str,
     plan: MemoryPlan | None,
@@ -270,30 +319,29 @@ def measured_any_model_run(
     timeout_s: float = 3600,
     init_state: str | None = None,
 ) -> tuple[Measurement, dict[str, Any]]:
-    """``memory.step.train_measured`` of the ``module:function`` ``workload`` in a
-    fresh child process, its peak measured; the workload's module is imported before
-    the baseline (its libraries, such as transformers, count there as torch does).
-    ``init_state``: a safetensors file the child reads the weights from, unit by unit
-    (the model built without them: ``memory.materialize``). Returns the measurement
-    and the child's result."""
-    kwargs: dict[str, Any] = dict(
-        factory=workload,
-        factory_kwargs={},
-        plan=None if plan is None else plan.to_dict(),
-        steps=steps,
+    """Train the ``module:function`` ``workload`` (planned per unit: ``uses_units``)
+    for ``steps`` steps on its example batch in a fresh child process, its peak
+    measured: the one measured-training path (``partition.measured.train_in_child``)
+    with ``train_units_job``. ``init_state``: a safetensors file the child reads the
+    weights from, unit by unit (the model built without them: ``memory.materialize``).
+    Returns the measurement and the child's result (``losses``, ``step_times_s``,
+    ``step_s``)."""
+    wl = get_workload(workload)
+    assert wl.example is not None, f"{workload} is not a module:function workload"
+    inputs, targets, _ = wl.example
+    _, m = train_in_child(
+        train_units_job,
+        wl,
+        [(inputs, targets)] * steps,
+        plan=plan,
         lr=lr,
         seed=seed,
-        offload_dir=offload_dir,
+        torch_seed=seed + 1,
+        initial_state=init_state,
+        init="stream",
         save=None if save is None else os.path.abspath(save),
-        init_state=None if init_state is None else os.path.abspath(init_state),
-    )
-    from memory.step import train_measured, warm_up
-
-    m = measure_in_child(
-        train_measured,
-        kwargs,
+        offload_dir=offload_dir,
+        options={"per-unit": True},
         timeout_s=timeout_s,
-        preload=(workload.split(":")[0],),
-        warmup=(warm_up, {"factory": workload, "factory_kwargs": {}}),
     )
     return m, m.result
