@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"running {args.steps} steps in a measured child process", file=sys.stderr)
     if units:
         m, result = measured_any_model_run(
-            wl.name,
+            wl,
             plan,
             steps=args.steps,
             seed=args.seed,

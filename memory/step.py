@@ -488,6 +488,47 @@ def warm_up(factory: str, factory_kwargs: dict[str, Any]) -> None:
         logging.getLogger(__name__).info("warm-up of %s skipped: %s", factory, e)
 
 
+def whole_model_trainer(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable | None,
+    plan: MemoryPlan | None,
+    *,
+    lr: float,
+    offload_dir: str | None = None,
+    init_state: StateSource | None = None,
+    guard: bool = True,
+    baseline_bytes: int = 0,
+) -> PlannedTrainer:
+    """A ``PlannedTrainer`` of the whole model under ``plan`` (None: plain units).
+
+    With ``init_state`` the model was built under ``params_on_meta``: a plain run reads
+    every weight now (``materialize``); a plan's units are found by the names it gives
+    (``units_by_name``: no forward before the weights exist) and read within the plan.
+    With ``guard`` a plan made for a budget runs under ``MemoryGuard`` at that budget,
+    above ``baseline_bytes``. The caller closes ``init_state`` once this returns."""
+    if plan is None:
+        if init_state is not None:
+            materialize(model, init_state)  # plain: every weight resident
+        units = find_units(model, inputs)
+        plan = MemoryPlan.plain([u.name for u in units])
+    elif init_state is not None:
+        units = units_by_name(model, [b.name for b in plan.blocks])
+    else:
+        units = find_units(model, inputs)
+    return PlannedTrainer(
+        model,
+        plan,
+        units=units,
+        loss_fn=loss_fn,
+        settings=TrainSettings(lr=lr),
+        offload_dir=offload_dir,
+        memory_budget_bytes=plan.budget_bytes if guard else None,
+        baseline_bytes=baseline_bytes,
+        init_state=init_state,
+    )
+
+
 def train_measured(
     factory: str,
     factory_kwargs: dict[str, Any],
@@ -535,28 +576,16 @@ def train_measured(
     loss_fn = built[2] if len(built) > 2 else None
     source = TensorFile(init_state) if init_state else None
     try:
-        if source is not None and plan is None:
-            materialize(model, source)  # plain: every weight resident
-        if plan is None:
-            units = find_units(model, inputs)
-            mp = MemoryPlan.plain([u.name for u in units])
-        else:
-            mp = MemoryPlan.from_dict(plan)
-            units = (
-                units_by_name(model, [b.name for b in mp.blocks])
-                if source is not None
-                else find_units(model, inputs)
-            )
-        tr = PlannedTrainer(
+        tr = whole_model_trainer(
             model,
-            mp,
-            units=units,
-            loss_fn=loss_fn,
-            settings=TrainSettings(lr=lr),
+            inputs,
+            loss_fn,
+            None if plan is None else MemoryPlan.from_dict(plan),
+            lr=lr,
             offload_dir=offload_dir,
-            memory_budget_bytes=mp.budget_bytes if guard else None,
-            baseline_bytes=baseline,
             init_state=source,
+            guard=guard,
+            baseline_bytes=baseline,
         )
     finally:
         if source is not None:

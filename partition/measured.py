@@ -223,10 +223,9 @@ def plain_steps(
 InitMode = Literal["copy", "stream"]
 """How the child takes its initial state: ``copy``: the model is built, then every
 tensor in the file copied in, one at a time; ``stream``: the model is built without
-weights (chains on ``meta``; any-model workloads, and those trained per unit, the
-option ``per-unit``, under ``memory.materialize.params_on_meta``) and the training
-function reads them within
-the plan (``ChildRun.init_state``)."""
+weights (chains on ``meta``; any-model workloads, and any workload the option
+``per-unit`` marks, under ``memory.materialize.params_on_meta``) and the training
+function reads them within the plan (``ChildRun.init_state``)."""
 
 
 @dataclass

@@ -266,36 +266,20 @@ def train_units_job(run: ChildRun) -> list[float]:
     weights read unit by unit from ``run.init_state`` when given; each step timed; the
     trained state written to ``run.save_to`` within the plan's memory
     (``PlannedTrainer.save``)."""
-    from memory.materialize import materialize
-    from memory.step import PlannedTrainer, TrainSettings, units_by_name
-    from memory.units import find_units
+    from memory.step import whole_model_trainer
 
     wl = run.workload
     assert wl.example is not None, f"{wl.name} is not a module:function workload"
     inputs, _, loss_fn = wl.example
-    source = run.init_state
-    if run.plan is None:
-        if source is not None:
-            materialize(run.model, source)  # plain: every weight resident
-        units = find_units(run.model, inputs)
-        plan = MemoryPlan.plain([u.name for u in units])
-    else:
-        plan = run.plan
-        units = (
-            units_by_name(run.model, [b.name for b in plan.blocks])
-            if source is not None  # weights not there yet: the plan names the units
-            else find_units(run.model, inputs)
-        )
-    trainer = PlannedTrainer(
+    trainer = whole_model_trainer(
         run.model,
-        plan,
-        units=units,
-        loss_fn=loss_fn,
-        settings=TrainSettings(lr=run.lr),
+        inputs,
+        loss_fn,
+        run.plan,
+        lr=run.lr,
         offload_dir=run.offload_dir,
-        memory_budget_bytes=plan.budget_bytes if run.plan is not None else None,
+        init_state=run.init_state,
         baseline_bytes=run.baseline_bytes,
-        init_state=source,
     )
     run.close_init_state()  # every weight is in the model or the store now
     try:
@@ -308,7 +292,7 @@ def train_units_job(run: ChildRun) -> list[float]:
 
 
 def measured_any_model_run(
-    workload: str,
+    wl: Workload,
     plan: MemoryPlan | None,
     *,
     steps: int,
@@ -319,15 +303,14 @@ def measured_any_model_run(
     timeout_s: float = 3600,
     init_state: str | None = None,
 ) -> tuple[Measurement, dict[str, Any]]:
-    """Train the ``module:function`` ``workload`` (planned per unit: ``uses_units``)
+    """Train the ``module:function`` workload ``wl`` (planned per unit: ``uses_units``)
     for ``steps`` steps on its example batch in a fresh child process, its peak
     measured: the one measured-training path (``partition.measured.train_in_child``)
     with ``train_units_job``. ``init_state``: a safetensors file the child reads the
     weights from, unit by unit (the model built without them: ``memory.materialize``).
     Returns the measurement and the child's result (``losses``, ``step_times_s``,
     ``step_s``)."""
-    wl = get_workload(workload)
-    assert wl.example is not None, f"{workload} is not a module:function workload"
+    assert wl.example is not None, f"{wl.name} is not a module:function workload"
     inputs, targets, _ = wl.example
     _, m = train_in_child(
         train_units_job,
