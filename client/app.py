@@ -7,7 +7,10 @@
   the smallest budget that would) on its share of the data, and replies with the
   trained ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, the measured
   peak of its training work, the bytes of the message it received, ...). A stock
-  strategy's instruction (no fleetfit keys) trains the whole model plainly.
+  strategy's instruction (Flower's FedAvg: no ``kind`` or ``plan``) trains the whole
+  model under the node's own plan for its budget (``client.selfplan``), the run's
+  shape read from the run config where the strategy sent none; a budget that holds no
+  whole-model plan is an error reply naming it and the smallest that fits.
 - ``evaluate``: evaluates the received arrays on the held-out data.
 
 Errors raised here become error replies: the round goes on without this node.
@@ -25,7 +28,8 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from flwr.app import (
     Array,
@@ -52,6 +56,7 @@ from client.config import (
     total_memory_bytes,
 )
 from client.ort_eval import evaluate_only
+from client.selfplan import is_stock_instruction, own_plan, reserve_bytes, stock_config
 from client.train import draw_batches, train_assigned
 from memory.probes import measure_flops_per_s
 from memory.spec import MemoryPlan
@@ -69,6 +74,7 @@ app = ClientApp()
 CLIENT_ERROR = 1  # Error.code of a reply whose handler failed; the reason says why
 
 Handler = Callable[[Message, Context], Message]
+T = TypeVar("T")
 
 
 def _error_reply(handler: Handler) -> Handler:
@@ -184,9 +190,11 @@ def clipping_mod(
 def train(msg: Message, context: Context) -> Message:
     node = _node(context)
     received = message_bytes(msg.content)
-    ins = TrainInstruction.from_config(
-        dict(msg.content.config_records.get(keys.CONFIG, {}))
-    )
+    config = dict(_record(msg.content.config_records, keys.CONFIG) or {})
+    stock = is_stock_instruction(config)  # an ordinary strategy: no plan sent
+    if stock:
+        config = stock_config(config, context.run_config)
+    ins = TrainInstruction.from_config(config)
     shape = ins.shape
     check_workload_allowed(shape.workload, context.node_config)  # before any import
     if ins.kind == "none":
@@ -210,7 +218,16 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=shape.batch_size or None,
         seq_len=shape.seq_len or None,
     )
-    state = msg.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    plan = MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None
+    if stock:  # the whole model's keys go back: a whole-model plan or a refusal
+        plan = own_plan(workload, node, reserve_bytes=reserve_bytes(context.run_config))
+    arrays_in = _record(msg.content.array_records, keys.ARRAYS)
+    if arrays_in is None:
+        raise ValueError(
+            f"the train instruction has no ArrayRecord {keys.ARRAYS!r} (records: "
+            f"{', '.join(msg.content.array_records) or 'none'}); send the model there"
+        )
+    state = arrays_in.to_torch_state_dict()
     # the reply keeps the received order: Flower's DP wrappers pair arrays by position
     order = {k: i for i, k in enumerate(state)}
     batches, num_examples, torch_seed = draw_batches(
@@ -230,7 +247,7 @@ def train(msg: Message, context: Context) -> Message:
         batches,
         num_examples=num_examples,
         torch_seed=torch_seed,
-        plan=MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None,
+        plan=plan,
         window=ins.window,
         lr=shape.lr,
         measure=resolve_measure(ins.measure, node.budget_source),
@@ -253,7 +270,29 @@ def train(msg: Message, context: Context) -> Message:
     arrays = ArrayRecord(
         dict(sorted(result.state.items(), key=lambda kv: order.get(kv[0], -1)))
     )
-    return Message(reply.to_content(arrays), reply_to=msg)
+    content = reply.to_content(arrays)
+    if stock:
+        report = content.config_records[keys.REPORT]
+        report[keys.OWN_PLAN] = "" if plan is None else plan.to_json()
+        report[keys.BUDGET_BYTES] = node.budget_bytes
+        if result.peak_bytes > node.budget_bytes and result.method == "child":
+            log.warning(
+                "measured peak %d bytes is over this node's budget of %d bytes "
+                "under its own plan",
+                result.peak_bytes,
+                node.budget_bytes,
+            )
+    return Message(content, reply_to=msg)
+
+
+def _record(records: Mapping[str, T], name: str) -> T | None:
+    """The record ``name``, else the only record (a strategy may name its records
+    otherwise: FedAvg's ``arrayrecord_key``/``configrecord_key``), else None."""
+    if name in records:
+        return records[name]
+    if len(records) == 1:
+        return next(iter(records.values()))
+    return None
 
 
 @app.evaluate()

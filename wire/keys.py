@@ -45,6 +45,8 @@ PEAK_METHOD = "peak-method"  # child | inline | inline-unreset | ort-child
 REASON = "reason"  # none: why nothing fits, in words
 EVAL_RUNTIME = "eval-runtime"  # none: the runtime that evaluated (onnxruntime)
 EVAL_ERROR = "eval-error"  # none: why the evaluation failed
+OWN_PLAN = "own-plan"  # no plan in the instruction (a stock strategy): the plan the
+#   node made for its own budget (MemoryPlan JSON, "" for plain training)
 
 # node facts (query reply; wire.facts.NodeFacts reads and writes them)
 BUDGET_BYTES = "budget-bytes"
