@@ -6,7 +6,7 @@ strategy (Flower's ``FedAvg``: ``arrays`` and a ``config`` of the user's keys, s
 whole model's keys. So the node plans for itself with the same memory library the
 server uses (``memory.plan`` through ``memory.unit_profile.plan_units``), for its own
 budget minus the runtime reserve (fixed process costs the memory model does not hold,
-as the server does; ``runtime-reserve`` in the run config, else ``RUNTIME_RESERVE``):
+as the server does; ``runtime-reserve`` in the run config, else ``wire.shape.RUNTIME_RESERVE``):
 
 - a budget that holds plain training trains plainly, as before (no plan);
 - a smaller one trains the whole model under the fastest plan that fits (recompute,
@@ -18,7 +18,7 @@ as the server does; ``runtime-reserve`` in the run config, else ``RUNTIME_RESERV
 
 Example::
 
-    plan = own_plan(workload, node, reserve_bytes=RUNTIME_RESERVE_BYTES)
+    plan = own_plan(workload, node, reserve_bytes=reserve_bytes(context.run_config))
     # None: plain training; else a MemoryPlan for train_assigned
 """
 
@@ -29,31 +29,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from client.config import NodeConfig
-from memory.chain_profile import profile_workload_fake
 from memory.cost import predict
 from memory.errors import BudgetError
-from memory.profile import Profile
 from memory.sizes import format_bytes, parse_bytes
 from memory.spec import MemoryPlan
-from memory.unit_profile import plan_units, unit_profiles
+from memory.unit_profile import plan_units
 from wire.flat import flat_keys
-from wire.shape import RunShape
+from wire.shape import RUNTIME_RESERVE, RUNTIME_RESERVE_KEY, RunShape
+from wire.windows import workload_profiles
 from workloads import Workload
 
 log = logging.getLogger(__name__)
 
-RUNTIME_RESERVE = "100MiB"
-"""Fixed process costs outside the memory model (torch's first backward, convolution
-set-up, allocator state: 55-90 MiB measured here); the run config's
-``runtime-reserve`` default, which the server subtracts too."""
-
-RUNTIME_RESERVE_KEY = "runtime-reserve"
-
 FLEETFIT_MARKERS = ("kind", "plan")
 """Instruction keys fleetfit's server always sends (``TrainInstruction.to_config``
 writes every field): a config with neither comes from another strategy."""
-
-_profiles: dict[tuple[str, int, int], dict[int, Profile]] = {}  # per process
 
 
 class NoWholeModelPlan(ValueError):
@@ -87,29 +77,6 @@ def reserve_bytes(run_config: Mapping[str, Any]) -> int:
     return parse_bytes(value, what=RUNTIME_RESERVE_KEY, allow_zero=True)
 
 
-def whole_model_profiles(workload: Workload) -> dict[int, Profile]:
-    """The whole model's profiles by loss chunk count, as ``server.assign`` makes
-    them (traced on fake tensors: nothing of the model's size is allocated)."""
-    key = (workload.name, workload.batch_size, workload.seq_len or 0)
-    if key not in _profiles:
-        if workload.any_model:
-            assert workload.example is not None
-            x, y, loss_fn = workload.example
-            _profiles[key] = unit_profiles(workload.make_model(0), x, y, loss_fn)
-        else:
-            x, y = workload.example_batch()
-            _profiles[key] = {
-                1: profile_workload_fake(
-                    lambda: workload.make_model(0),
-                    x,
-                    y,
-                    workload.loss_fn,
-                    measure_time=False,
-                )
-            }
-    return _profiles[key]
-
-
 def own_plan(
     workload: Workload, node: NodeConfig, *, reserve_bytes: int
 ) -> MemoryPlan | None:
@@ -120,7 +87,7 @@ def own_plan(
             where it came from, and the smallest budget that fits.
     """
     budget, disk = node.budget_bytes, node.disk_budget_bytes
-    profiles = whole_model_profiles(workload)
+    profiles = workload_profiles(workload)
     usable = budget - reserve_bytes
     # plain first: the planner's times tie (FLOPs, not measured), so its "fastest"
     # can be a recompute plan where plain training fits
@@ -182,12 +149,10 @@ def _budget_name(node: NodeConfig) -> str:
 
 __all__ = [
     "FLEETFIT_MARKERS",
-    "RUNTIME_RESERVE",
     "NoWholeModelPlan",
     "describe",
     "is_stock_instruction",
     "own_plan",
     "reserve_bytes",
     "stock_config",
-    "whole_model_profiles",
 ]

@@ -42,15 +42,14 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from memory.chain_profile import profile_workload_fake
 from memory.cost import predict
 from memory.errors import BudgetError
 from memory.plan import min_budget_bytes
 from memory.profile import Profile
 from memory.spec import MemoryPlan
-from memory.unit_profile import plan_units, unit_profiles
+from memory.unit_profile import plan_units
 from wire.facts import NodeFacts
-from wire.windows import model_blocks, trained_keys
+from wire.windows import model_blocks, trained_keys, workload_profiles
 from workloads import Workload
 
 log = logging.getLogger(__name__)
@@ -110,23 +109,7 @@ class Assigner:
     def profiles(self) -> dict[int, Profile]:
         """The whole model's profiles by loss chunk count (``{1: ...}`` for a chain)."""
         if self._profiles is None:
-            if self.per_unit:
-                assert self.workload.example is not None
-                x, y, loss_fn = self.workload.example
-                self._profiles = unit_profiles(
-                    self.workload.make_model(0), x, y, loss_fn, units=None
-                )
-            else:
-                x, y = self.workload.example_batch()
-                self._profiles = {
-                    1: profile_workload_fake(
-                        lambda: self.workload.make_model(0),
-                        x,
-                        y,
-                        self.workload.loss_fn,
-                        measure_time=False,
-                    )
-                }
+            self._profiles = workload_profiles(self.workload)
         return self._profiles
 
     @property

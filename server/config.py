@@ -17,7 +17,7 @@ from memory.sizes import parse_bytes
 from wire.flat import flat_key, from_flat, to_flat
 from wire.instruction import MEASURES
 from wire.keys import FLEET_DISK, FLEET_KEYS, FLEET_MEMORY, FLEET_SPEEDS
-from wire.shape import RunShape
+from wire.shape import RUNTIME_RESERVE, RunShape
 from workloads.registry import EVAL_MAX_ITEMS, Workload, get_workload
 from workloads.splits import SPLITS
 
@@ -163,7 +163,7 @@ class ServerConfig:
     #   steps. 0: half of round-timeout
     norm_bound: float = 10.0  # [norm-bound] reject updates whose relative change is
     #   above this many times the round's median; 0 disables
-    runtime_reserve: str = "100MiB"  # [runtime-reserve] fixed process costs the
+    runtime_reserve: str = RUNTIME_RESERVE  # [runtime-reserve] fixed process costs the
     #   memory model does not hold; plans are made for budget minus this
     client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
     #   measures in a child process when the node was given a budget

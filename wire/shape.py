@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RUNTIME_RESERVE = "100MiB"
+"""Fixed process costs outside the memory model (torch's first backward, convolution
+set-up, allocator state: 55-90 MiB measured here): the run config's
+``runtime-reserve`` default. Plans are made for a budget minus this, by the server's
+assigner and by a node planning for itself (``client.selfplan``)."""
+RUNTIME_RESERVE_KEY = "runtime-reserve"
+
 
 @dataclass(frozen=True)
 class RunShape:

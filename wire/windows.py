@@ -14,8 +14,13 @@ from collections.abc import Sequence
 from torch import nn
 
 from memory.blocks import Block, as_blocks
+from memory.chain_profile import profile_workload_fake
+from memory.profile import Profile
+from memory.unit_profile import unit_profiles
 from memory.units import find_units
 from workloads import Workload
+
+_profiles: dict[tuple[str, int, int], dict[int, Profile]] = {}  # per process
 
 
 def model_blocks(workload: Workload, model: nn.Module) -> list[Block]:
@@ -26,6 +31,31 @@ def model_blocks(workload: Workload, model: nn.Module) -> list[Block]:
         assert workload.example is not None
         return list(find_units(model, workload.example[0]))
     return list(as_blocks(model))
+
+
+def workload_profiles(workload: Workload) -> dict[int, Profile]:
+    """The whole model's profiles by loss chunk count over ``model_blocks``' blocks
+    (``{1: ...}`` for a chain), traced on fake tensors: nothing of the model's size is
+    allocated. Both the server's assigner and a node planning for itself plan over
+    these; cached per process by workload name and shape."""
+    key = (workload.name, workload.batch_size, workload.seq_len or 0)
+    if key not in _profiles:
+        if workload.any_model:
+            assert workload.example is not None
+            x, y, loss_fn = workload.example
+            _profiles[key] = unit_profiles(workload.make_model(0), x, y, loss_fn)
+        else:
+            x, y = workload.example_batch()
+            _profiles[key] = {
+                1: profile_workload_fake(
+                    lambda: workload.make_model(0),
+                    x,
+                    y,
+                    workload.loss_fn,
+                    measure_time=False,
+                )
+            }
+    return _profiles[key]
 
 
 def trainable_blocks(num_blocks: int, window: tuple[int, int] | None) -> list[int]:

@@ -20,12 +20,12 @@ from flwr.app import (
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from client.app import app
-from client.selfplan import RUNTIME_RESERVE, whole_model_profiles
 from memory.cost import predict
 from memory.sizes import parse_bytes
 from memory.spec import MemoryPlan
-from server.config import ServerConfig
 from tests import fakes  # noqa: F401  (sets Flower's task identity)
+from wire.shape import RUNTIME_RESERVE
+from wire.windows import workload_profiles
 from workloads import get_workload
 
 # gpt-byte@0.25 at 32 sequences a step: plain training is predicted at 96 MiB, the
@@ -58,14 +58,10 @@ def run(workload, budget, **run_config):
     return app(fedavg_message(model), ctx), model
 
 
-def test_the_reserve_is_the_run_configs_default():
-    assert RUNTIME_RESERVE == ServerConfig().runtime_reserve
-
-
 def test_a_budget_below_plain_training_trains_the_whole_model_under_a_plan():
     budget = parse_bytes("150MiB")
     wl = get_workload(WORKLOAD, batch_size=BATCH)
-    (profile,) = whole_model_profiles(wl).values()
+    (profile,) = workload_profiles(wl).values()
     plain = predict(profile, MemoryPlan.plain([b.name for b in profile.blocks]))
     assert plain.peak_bytes + parse_bytes(RUNTIME_RESERVE) > budget  # plain won't do
     reply, model = run(WORKLOAD, "150MiB", **{"batch-size": BATCH})
