@@ -7,6 +7,10 @@ values, and a norm bound: an update whose relative change
 round's median (the lower median, so two updates suffice) is rejected. A rejected
 update is logged with its reason and changes nothing.
 
+Weights: a reply's claimed example count is capped (run config ``max-examples``),
+then clipped to ``weight-clip`` times the round's lower median count
+(``clip_weights``), so a node cannot decide the average by claiming 10**15 examples.
+
 Averaging is per key: a weighted mean (by example count) over the updates that carry
 the key; keys nobody trained keep the global value. It runs in a fixed order (by
 partition id), so two runs with the same seed aggregate to the same bits.
@@ -15,7 +19,7 @@ partition id), so two runs with the same seed aggregate to the same bits.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,6 +90,19 @@ def weighted_average(
         else:
             out[key] = torch.stack([u.state[key] for u in have]).amax(0)
     return out
+
+
+def clip_weights(updates: list[Update], factor: float) -> list[Update]:
+    """Updates whose example counts are at most ``factor`` times the (lower) median
+    count of ``updates``: a node's claim bounds its weight, it cannot decide the
+    average by claiming more examples. ``factor`` 0 leaves the counts."""
+    if factor <= 0 or len(updates) < 2:
+        return list(updates)
+    counts = sorted(u.num_examples for u in updates)
+    cap = max(1, int(factor * counts[(len(counts) - 1) // 2]))
+    return [
+        u if u.num_examples <= cap else replace(u, num_examples=cap) for u in updates
+    ]
 
 
 def relative_change(update: Update, reference: dict[str, torch.Tensor]) -> float:

@@ -163,6 +163,11 @@ class ServerConfig:
     #   steps. 0: half of round-timeout
     norm_bound: float = 10.0  # [norm-bound] reject updates whose relative change is
     #   above this many times the round's median; 0 disables
+    max_examples: int = 1_000_000  # [max-examples] examples a reply may claim; a
+    #   larger claim counts as this many (its status says so)
+    weight_clip: float = 4.0  # [weight-clip] an update's averaging weight is at most
+    #   this many times the round's median example count (the lower median of the
+    #   accepted updates), so no node decides the average by its claim; 0 disables
     runtime_reserve: str = RUNTIME_RESERVE  # [runtime-reserve] fixed process costs the
     #   memory model does not hold; plans are made for budget minus this
     client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
@@ -220,6 +225,10 @@ class ServerConfig:
             raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
         if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
+        if not 1 <= self.max_examples <= 2**53:
+            raise bad("max-examples", self.max_examples, "must be in 1..2**53")
+        if not (self.weight_clip == 0 or 1 <= self.weight_clip < math.inf):
+            raise bad("weight-clip", self.weight_clip, "must be 0 (off) or >= 1")
         export = self.export
         if export.eval_runtime not in ("torch", "onnxruntime"):
             raise bad("eval-runtime", export.eval_runtime, "torch or onnxruntime")

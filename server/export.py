@@ -60,7 +60,7 @@ from server.export_check import (
 )
 from server.export_graph import any_example, export_graph, export_input, export_onnx
 from server.export_inputs import LogitsMetrics, call_flags
-from server.persist import atomic_write_bytes
+from server.persist import atomic_write_bytes, json_bytes
 from workloads import Workload
 
 __all__ = [
@@ -156,7 +156,7 @@ def export_model(
         }
     if quantize:
         report["int8"] = _int8(path, report["evaluation"], evaluate)
-    atomic_write_bytes(report_path, json.dumps(report, indent=2).encode())
+    atomic_write_bytes(report_path, json_bytes(report))
     if not check["ok"]:
         worst = max(check["batches"], key=lambda r: r["max_abs_diff"] / r["bound"])
         tokens = f", {worst['seq_len']} tokens" if "seq_len" in worst else ""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,14 +17,14 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from server import persist, privacy
-from server.aggregate import Update, accept_updates, weighted_average
+from server.aggregate import Update, accept_updates, clip_weights, weighted_average
 from server.assign import Assigner, Assignment
 from server.config import ServerConfig
 from server.onnx_rounds import OnnxRounds
 from wire import keys
 from wire.facts import NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
-from wire.reply import MalformedReply, TrainReply
+from wire.reply import MAX_TEXT, MalformedReply, TrainReply, read_train_reply
 from wire.windows import trained_keys
 
 log = logging.getLogger(__name__)
@@ -100,10 +99,11 @@ class Federation:
                 log.warning(
                     "node %s failed its query (%s): treated as a plain client",
                     node_id,
-                    reply.error.reason,
+                    _reason(reply),
                 )
                 self.nodes[node_id] = NodeFacts()
                 continue
+            # never raises: a fact that is not valid is None (wire.facts)
             self.nodes[node_id] = NodeFacts.from_record(
                 reply.content.config_records.get(keys.NODE, {})
             )
@@ -248,7 +248,14 @@ class Federation:
             )
             self.model.load_state_dict(new_state)
         elif changed:
-            self.model.load_state_dict(weighted_average(accepted, reference))
+            weighted = clip_weights(accepted, cfg.weight_clip)
+            for u, w in zip(accepted, weighted):
+                if w.num_examples < u.num_examples:
+                    reports[u.node_id]["status"] = (
+                        f"ok: weight clipped to {w.num_examples} examples "
+                        f"(weight-clip={cfg.weight_clip:g} x the round's median)"
+                    )
+            self.model.load_state_dict(weighted_average(weighted, reference))
         elif sampled:
             msg = (
                 f"round {server_round}: {len(accepted)} accepted update(s), fewer than "
@@ -362,45 +369,50 @@ class Federation:
                 )
                 continue
             if reply.has_error():
-                errors.append(f"node {node_id}: {reply.error.reason}")
-                reports[node_id] = {"status": f"error: {reply.error.reason}"}
-                log.warning("node %s failed: %s", node_id, reply.error.reason)
+                reason = _reason(reply)
+                errors.append(f"node {node_id}: {reason}")
+                reports[node_id] = {"status": f"error: {reason}"}
+                log.warning("node %s failed: %s", node_id, reason)
                 continue
-            content = reply.content
-            try:
-                got = TrainReply.from_content(content, kind=a.kind)
-                rec: dict[str, Any] = {
-                    "measured_peak_bytes": got.peak_bytes,
-                    "message_bytes": got.message_bytes,
-                    "train_s": got.train_s,
-                    "num_examples": got.num_examples,
-                    "peak_method": got.peak_method,
-                    "status": "ok",
-                }
-                reports[node_id] = rec
-                if a.kind == "none":
-                    rec["status"] = "none"
-                    rec.update(self.onnx.eval_report(got.eval))
-                    continue
-                arrays = TrainReply.arrays(content)
-                if rec["message_bytes"] is None:  # a plain client: what was sent
-                    rec["message_bytes"] = sum(len(x.data) for x in arrays.values())
-                state = arrays.to_torch_state_dict()
-            except (MalformedReply, KeyError, TypeError, ValueError) as e:
+            try:  # the one reader: any fault of the reply is a MalformedReply
+                got, state = read_train_reply(reply.content, kind=a.kind)
+            except MalformedReply as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
                 reports[node_id] = {"status": f"malformed: {e}"}
                 log.warning("node %s sent a malformed reply: %s", node_id, e)
                 continue
+            rec: dict[str, Any] = {
+                "measured_peak_bytes": got.peak_bytes,
+                "message_bytes": got.message_bytes,
+                "train_s": got.train_s,
+                "num_examples": got.num_examples,
+                "peak_method": got.peak_method,
+                "status": "ok",
+            }
+            reports[node_id] = rec
+            if a.kind == "none" or state is None:
+                rec["status"] = "none"
+                rec.update(self.onnx.eval_report(got.eval))
+                continue
+            if rec["message_bytes"] is None:  # a plain client: what was sent
+                sent = TrainReply.arrays(reply.content).values()
+                rec["message_bytes"] = sum(len(x.data) for x in sent)
             pid = got.partition_id
             if pid is None:
                 pid = self.nodes.get(node_id, NodeFacts()).partition_id
             num, loss = got.num_examples or 0, got.train_loss
+            if num > self.cfg.max_examples:
+                rec["status"] = (
+                    f"ok: claimed {num} examples, counted as max-examples="
+                    f"{self.cfg.max_examples}"
+                )
+                num = self.cfg.max_examples
             expected = self._expected_keys(a)
             updates.append(
                 Update(-1 if pid is None else pid, node_id, num, state, expected)
             )
-            if loss is not None and math.isfinite(loss):  # a NaN loss is not averaged
-                losses.append(float(loss))
+            if loss is not None:  # finite (wire.reply): a NaN loss is not averaged
+                losses.append(loss)
         for node_id in assignments:
             if node_id not in reports:
                 errors.append(f"node {node_id}: no reply within the round's deadline")
@@ -413,18 +425,8 @@ class Federation:
         return frozenset(trained_keys(self.model, a.window, self.assigner.blocks))
 
     def _save(self, server_round: int) -> None:
-        state = self.model.state_dict()
-        persist.save_model(
-            self.out / persist.MODEL_FILE,
-            state,
-            {
-                "fleetfit-schema": str(persist.SCHEMA_VERSION),
-                "workload": self.cfg.shape.workload,
-                "round": str(server_round),
-                "settings": json.dumps(self.cfg.to_run_config(), sort_keys=True),
-            },
-        )
-        persist.write_summary(self.out, self.summary)
+        """Model, summary and resume state of ``server_round``, written together
+        (``persist.save_round``: all name the same round, whatever fails)."""
         strategy = {
             "next_round": server_round + 1,
             "nodes_by_partition": {
@@ -433,4 +435,21 @@ class Federation:
                 if f.partition_id is not None
             },
         }
-        persist.save_state(self.out, server_round, state, self.summary, strategy)
+        persist.save_round(
+            self.out,
+            server_round,
+            self.model.state_dict(),
+            {
+                "fleetfit-schema": str(persist.SCHEMA_VERSION),
+                "workload": self.cfg.shape.workload,
+                "round": str(server_round),
+                "settings": json.dumps(self.cfg.to_run_config(), sort_keys=True),
+            },
+            self.summary,
+            strategy,
+        )
+
+
+def _reason(reply: Message) -> str:
+    """A Flower error reply's reason, as text of bounded length."""
+    return str(reply.error.reason)[:MAX_TEXT]

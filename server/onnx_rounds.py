@@ -34,7 +34,7 @@ from server.export import (
     export_model,
     export_onnx,
 )
-from server.persist import atomic_write_bytes
+from server.persist import atomic_write_bytes, json_bytes
 from wire import keys
 from wire.reply import EvalResult
 from workloads import Workload
@@ -182,5 +182,5 @@ class OnnxRounds:
             }
             report = self.out / REPORT_FILE
             if not report.exists() or "error" in json.loads(report.read_text()):
-                atomic_write_bytes(report, json.dumps(failed, indent=2).encode())
+                atomic_write_bytes(report, json_bytes(failed))
             return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import re
 import tempfile
@@ -42,6 +43,50 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON can hold it: NaN and infinities become ``None``,
+    tuples lists, numpy and torch scalars numbers, bytes a short note, any other
+    object its text. fleetfit writes no NaN or Infinity into a file."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return json_safe(item())
+    return str(value)[:300]
+
+
+def json_bytes(value: Any, indent: int | None = 2) -> bytes:
+    """Strict JSON (``allow_nan=False``) of ``json_safe(value)``."""
+    return json.dumps(json_safe(value), indent=indent, allow_nan=False).encode()
+
+
+def _temp_beside(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return tmp
+
+
+def _write_model(
+    tmp: str, state: dict[str, torch.Tensor], metadata: dict[str, Any]
+) -> None:
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    save_file(tensors, tmp, metadata=meta)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def save_model(
     path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]
 ) -> None:
@@ -49,21 +94,51 @@ def save_model(
 
     Tied tensors are written once per key (copies), so any state dict saves.
     """
-    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
+    with Staged() as staged:
+        staged.model(path, state, metadata)
+
+
+class Staged:
+    """Files written together: each is written in full to a temporary file beside
+    its target first; only when every one is written are they moved into place
+    (``os.replace``, in the order staged). A failure while writing (a value that
+    cannot be serialised, a full disk) changes no file.
+
+    >>> with Staged() as s:
+    ...     s.bytes(out / "a.json", b"{}")
+    ...     s.model(out / "m.safetensors", state, {"round": "3"})
+    """
+
+    def __init__(self) -> None:
+        self._moves: list[tuple[str, Path]] = []
+
+    def bytes(self, path: str | Path, data: bytes) -> None:
+        tmp = _temp_beside(Path(path))
+        self._moves.append((tmp, Path(path)))
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def model(
+        self, path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> None:
+        tmp = _temp_beside(Path(path))
+        self._moves.append((tmp, Path(path)))
+        _write_model(tmp, state, metadata)
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            for tmp, path in self._moves:
+                os.replace(tmp, path)
+            self._moves = []
+            return
+        for tmp, _ in self._moves:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 class CheckpointError(ValueError):
@@ -95,11 +170,19 @@ def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str
         ) from e
 
 
-def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
-    """``summary.json`` and ``summary.csv`` (one row per round)."""
+def write_summary(
+    out: str | Path, summary: dict[str, Any], staged: Staged | None = None
+) -> None:
+    """``summary.json`` (strict JSON: no NaN or Infinity) and ``summary.csv`` (one
+    row per round), written with ``staged`` when given (moved into place with it)."""
     out = Path(out)
-    atomic_write_bytes(out / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
-    rounds = summary.get("rounds", [])
+    if staged is None:
+        with Staged() as own:
+            write_summary(out, summary, own)
+        return
+    safe = json_safe(summary)
+    staged.bytes(out / SUMMARY_FILE, json_bytes(safe))
+    rounds = safe.get("rounds", [])
     columns: list[str] = []
     for r in rounds:
         columns += [
@@ -112,7 +195,7 @@ def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
     writer.writeheader()
     for r in rounds:
         writer.writerow(r)
-    atomic_write_bytes(out / CSV_FILE, buf.getvalue().encode())
+    staged.bytes(out / CSV_FILE, buf.getvalue().encode())
 
 
 def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
@@ -125,13 +208,17 @@ def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
     rounds = summary["rounds"]
     x = [r["round"] for r in rounds]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(x, [r["accuracy"] for r in rounds], marker="o", label="accuracy")
+
+    def values(key: str) -> list[float]:  # a missing figure (None) is a gap
+        return [math.nan if r.get(key) is None else r[key] for r in rounds]
+
+    ax.plot(x, values("accuracy"), marker="o", label="accuracy")
     ax.set_xlabel("round")
     ax.set_ylabel("central accuracy")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
-    ax2.plot(x, [r["loss"] for r in rounds], color="tab:red", ls="--", label="loss")
+    ax2.plot(x, values("loss"), color="tab:red", ls="--", label="loss")
     ax2.set_ylabel("central loss")
     ax.set_title(f"{summary.get('workload', '')}: central evaluation per round")
     fig.tight_layout()
@@ -155,17 +242,18 @@ def save_state(
     model_state: dict[str, torch.Tensor],
     summary: dict[str, Any],
     strategy: dict[str, Any],
+    staged: Staged | None = None,
 ) -> None:
     """Save what a resumed run needs after ``server_round``, atomically.
 
     The model goes to ``state/model-<round>.safetensors`` first; then ``state.json``
     (round, summary, strategy state, the model's file name) replaces the old one in
     one ``os.replace``; older model files are removed last. A crash at any point
-    leaves a consistent pair: the old one or the new one.
+    leaves a consistent pair: the old one or the new one. With ``staged``, both are
+    moved into place with the caller's other files (``save_round``).
     """
     d = Path(out) / STATE_DIR
     name = f"model-{server_round:06d}.safetensors"
-    save_model(d / name, model_state, {"round": str(server_round)})
     state = {
         "schema": SCHEMA_VERSION,
         "round": server_round,
@@ -173,10 +261,45 @@ def save_state(
         "summary": summary,
         "strategy": strategy,
     }
-    atomic_write_bytes(d / STATE_FILE, json.dumps(state, indent=1).encode())
-    for old in d.glob("model-*.safetensors"):
+    if staged is None:
+        with Staged() as own:
+            save_state(out, server_round, model_state, summary, strategy, own)
+        remove_old_state_models(out, server_round)
+        return
+    staged.model(d / name, model_state, {"round": str(server_round)})
+    staged.bytes(d / STATE_FILE, json_bytes(state, indent=1))
+
+
+def remove_old_state_models(out: str | Path, server_round: int) -> None:
+    """Remove the model files of ``state/`` other than ``server_round``'s."""
+    name = f"model-{server_round:06d}.safetensors"
+    for old in (Path(out) / STATE_DIR).glob("model-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)
+
+
+def save_round(
+    out: str | Path,
+    server_round: int,
+    model_state: dict[str, torch.Tensor],
+    model_metadata: dict[str, Any],
+    summary: dict[str, Any],
+    strategy: dict[str, Any],
+) -> None:
+    """The run folder after ``server_round``: the resume state, ``model.safetensors``,
+    ``summary.json`` and ``summary.csv``, all naming that round.
+
+    Every file is written in full before any is moved into place (``Staged``), so a
+    fault while writing (a value that cannot be serialised, a full disk) leaves the
+    folder at the previous round, all files agreeing. The resume state moves first:
+    a crash between the moves leaves it ahead, and the next round rewrites the rest.
+    """
+    out = Path(out)
+    with Staged() as staged:
+        save_state(out, server_round, model_state, summary, strategy, staged)
+        staged.model(out / MODEL_FILE, model_state, model_metadata)
+        write_summary(out, summary, staged)
+    remove_old_state_models(out, server_round)
 
 
 def load_state(

@@ -2,8 +2,9 @@
 
 The node writes its facts with ``NodeFacts.to_record``; the server reads any reply with
 ``NodeFacts.from_record``, which never raises: a fact that is missing or of the wrong
-type (an old or a misbehaving node) is ``None``, and the server treats the node as it
-treats one that did not answer (plain training of the whole model).
+type or out of range (an old or a misbehaving node: a budget of inf, NaN, 0 or 10**30
+bytes, a partition id of -1 or "abc") is ``None``, and the server treats the node as
+it treats one that did not answer (plain training of the whole model).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from wire import keys
 from wire.flat import read_tuple
+from wire.reply import MAX_BYTES
 
 BUDGET_SOURCES = ("node-config", "fleet", "measured")
 
@@ -28,6 +30,15 @@ _KEY = {
     "free_disk_bytes": keys.FREE_DISK_BYTES,
     "flops_per_s": keys.FLOPS_PER_S,
     "num_cpus": keys.NUM_CPUS,
+}
+
+
+MAX_FLOPS_PER_S = 1e18
+_RANGE = {  # name -> (lowest, highest) valid integer; others: (0, MAX_BYTES)
+    "partition_id": (0, 2**31 - 1),
+    "num_partitions": (1, 2**31),
+    "budget_bytes": (1, MAX_BYTES),
+    "num_cpus": (1, 2**20),
 }
 
 
@@ -56,17 +67,23 @@ class NodeFacts:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> NodeFacts:
-        """Read a query reply's ``node`` record; what is not valid is ``None``."""
+        """Read a query reply's ``node`` record; what is not valid is ``None``.
+
+        Never raises: ``record`` may be anything a peer sent."""
         values: dict[str, Any] = {}
+        get = record.get if isinstance(record, Mapping) else (lambda key: None)
         for name, key in _KEY.items():
-            value: Any = record.get(key)
+            value: Any = get(key)
             if name == "budget_source":
-                values[name] = value if value in BUDGET_SOURCES else None
+                ok = isinstance(value, str) and value in BUDGET_SOURCES
+                values[name] = value if ok else None
             elif name == "flops_per_s":
-                ok = _number(value) and value > 0
+                ok = _number(value) and 0 < value <= MAX_FLOPS_PER_S
                 values[name] = float(value) if ok else None
             else:
-                values[name] = int(value) if _number(value) else None
+                low, high = _RANGE.get(name, (0, MAX_BYTES))
+                ok = _number(value) and value == int(value) and low <= value <= high
+                values[name] = int(value) if ok else None
         return cls(**values)
 
 

@@ -4,10 +4,12 @@ A train reply holds ``arrays`` (the trained state: every key for ``full``, the w
 and head for ``part``, none for ``none``), ``metrics`` (``num-examples`` and what the
 node measured) and ``report`` (the assignment that ran, how the peak was measured).
 
-``TrainReply.from_content`` reads a reply from any node, a stock client or a
-misbehaving one: it raises ``MalformedReply`` (a ``ValueError``) naming what is wrong
-where the server cannot use the reply, and otherwise keeps what it can (an optional
-figure of the wrong type is ``None``).
+``read_train_reply`` reads a reply from any node, a stock client or a misbehaving
+one, arrays included: it raises ``MalformedReply`` (a ``ValueError``) naming what is
+wrong where the server cannot use the reply, whatever the fault, and otherwise keeps
+what it can (an optional figure of the wrong type, not finite or out of range is
+``None``; an evaluation without a loss or with an accuracy outside [0, 1] is an
+error, not a result).
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from wire import keys
+
+MAX_BYTES = 2**60  # 1 EiB: a larger memory or message figure is nonsense
+MAX_EXAMPLES = 2**53  # a claimed example count above this is malformed; the server
+#   caps what it believes far lower (run config ``max-examples``)
+MAX_PARTITION = 2**31 - 1
+MAX_TEXT = 300  # characters kept of a reply's texts (reasons, errors)
+PEAK_METHODS = ("child", "inline", "inline-unreset", "ort-child")
+EVAL_RUNTIMES = ("onnxruntime", "torch")
 
 
 class MalformedReply(ValueError):
@@ -112,39 +122,45 @@ class TrainReply:
 
     @classmethod
     def from_content(cls, content: RecordDict, *, kind: str) -> TrainReply:
-        """Read a reply to an assignment of ``kind``.
+        """Read a reply to an assignment of ``kind`` (``read_train_reply`` reads its
+        arrays too, and turns any fault into ``MalformedReply``).
+
+        Optional figures that are missing, of the wrong type, not finite or out of
+        range are ``None``; texts are cut to ``MAX_TEXT`` characters.
 
         Raises:
             MalformedReply: no metrics; for ``full`` and ``part``, no arrays, a
-                ``num-examples`` that is not an integer, a ``train-loss`` or a
-                ``partition-id`` of the wrong type.
+                ``num-examples`` that is not an integer in 1..``MAX_EXAMPLES``, a
+                ``train-loss`` that is not a number, a ``partition-id`` that is not an
+                integer in 0..2**31-1.
         """
-        report = dict(content.config_records.get(keys.REPORT, {}))
+        record = content.config_records.get(keys.REPORT)
+        report: dict[str, Any] = dict(record) if record is not None else {}
         metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
-        peak_method = report.get(keys.PEAK_METHOD)
         common: dict[str, Any] = {
             "peak_bytes": _opt_int(metrics.get(keys.PEAK_BYTES)),
             "baseline_bytes": _opt_int(metrics.get(keys.BASELINE_BYTES)),
             "message_bytes": _opt_int(metrics.get(keys.MESSAGE_BYTES)),
             "train_s": _opt_float(metrics.get(keys.TRAIN_S)),
             "num_examples": _opt_int(metrics.get(keys.NUM_EXAMPLES)),
-            "peak_method": peak_method if isinstance(peak_method, str) else None,
+            "peak_method": _opt_text(report.get(keys.PEAK_METHOD), PEAK_METHODS),
             "steps_done": _opt_int(metrics.get(keys.STEPS_DONE)),
         }
         if kind == "none":
-            reason = report.get(keys.REASON, "")
             return cls(
                 "none",
                 **common,
-                partition_id=_opt_int(metrics.get(keys.PARTITION_ID)),
+                partition_id=_opt_int(metrics.get(keys.PARTITION_ID), MAX_PARTITION),
                 min_budget_bytes=_opt_int(metrics.get(keys.MIN_BUDGET_BYTES)),
-                reason=reason if isinstance(reason, str) else "",
+                reason=_opt_text(report.get(keys.REASON)) or "",
                 eval=_eval_result(metrics, report, common),
             )
         _one(content.array_records, keys.ARRAYS, "ArrayRecord")
         if keys.NUM_EXAMPLES not in metrics:
             raise MalformedReply(f"no metric {keys.NUM_EXAMPLES!r} in the reply")
-        common["num_examples"] = _as_int(metrics[keys.NUM_EXAMPLES], keys.NUM_EXAMPLES)
+        common["num_examples"] = _as_int(
+            metrics[keys.NUM_EXAMPLES], keys.NUM_EXAMPLES, 1, MAX_EXAMPLES
+        )
         loss = metrics.get(keys.TRAIN_LOSS)
         if loss is not None and (
             isinstance(loss, bool) or not isinstance(loss, int | float)
@@ -154,8 +170,13 @@ class TrainReply:
         return cls(
             kind,
             **common,
-            train_loss=None if loss is None else float(loss),
-            partition_id=None if pid is None else _as_int(pid, keys.PARTITION_ID),
+            # a NaN or infinite loss is not averaged (the arrays are checked apart)
+            train_loss=_opt_float(loss, low=-math.inf),
+            partition_id=(
+                None
+                if pid is None
+                else _as_int(pid, keys.PARTITION_ID, 0, MAX_PARTITION)
+            ),
         )
 
     @staticmethod
@@ -189,32 +210,97 @@ class EvalReply:
     def from_content(cls, content: RecordDict) -> EvalReply:
         """Read an evaluate reply (``MalformedReply`` naming what is wrong)."""
         metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
-        values = []
-        for key in (keys.EVAL_LOSS, keys.EVAL_ACCURACY):
-            v = _opt_float(metrics.get(key))
+        loss = _opt_float(metrics.get(keys.EVAL_LOSS))
+        accuracy = _opt_float(metrics.get(keys.EVAL_ACCURACY), high=1.0)
+        for key, v in ((keys.EVAL_LOSS, loss), (keys.EVAL_ACCURACY, accuracy)):
             if v is None:
-                raise MalformedReply(f"no number {key!r} in the evaluate reply")
-            values.append(v)
-        num = _as_int(metrics.get(keys.NUM_EXAMPLES), keys.NUM_EXAMPLES)
-        return cls(values[0], values[1], num)
+                raise MalformedReply(
+                    f"{key} {_show(metrics.get(key))} is not a number in range"
+                )
+        assert loss is not None and accuracy is not None
+        num = _as_int(
+            metrics.get(keys.NUM_EXAMPLES), keys.NUM_EXAMPLES, 1, MAX_EXAMPLES
+        )
+        return cls(loss, accuracy, num)
 
 
 def _eval_result(
     metrics: Any, report: dict[str, Any], common: dict[str, Any]
 ) -> EvalResult | None:
-    runtime = report.get(keys.EVAL_RUNTIME, "")
-    error = report.get(keys.EVAL_ERROR, "")
+    """An evaluation-only node's result; one that counts has a number of examples, a
+    loss >= 0 and an accuracy in [0, 1]. Anything less is an error, not a result."""
+    num = _opt_int(metrics.get(keys.EVAL_NUM_EXAMPLES), MAX_EXAMPLES)
+    loss = _opt_float(metrics.get(keys.EVAL_LOSS))
+    accuracy = _opt_float(metrics.get(keys.EVAL_ACCURACY), high=1.0)
+    error = _opt_text(report.get(keys.EVAL_ERROR)) or ""
+    if num is not None and (num < 1 or loss is None or accuracy is None):
+        bad = {
+            keys.EVAL_NUM_EXAMPLES: metrics.get(keys.EVAL_NUM_EXAMPLES),
+            keys.EVAL_LOSS: metrics.get(keys.EVAL_LOSS),
+            keys.EVAL_ACCURACY: metrics.get(keys.EVAL_ACCURACY),
+        }
+        error = error or "malformed evaluation: " + ", ".join(
+            f"{k}={_show(v)}" for k, v in bad.items()
+        )
+        num = loss = accuracy = None
+    elif num is None:
+        loss = accuracy = None
     result = EvalResult(
-        loss=_opt_float(metrics.get(keys.EVAL_LOSS)),
-        accuracy=_opt_float(metrics.get(keys.EVAL_ACCURACY)),
-        num_examples=_opt_int(metrics.get(keys.EVAL_NUM_EXAMPLES)),
+        loss=loss,
+        accuracy=accuracy,
+        num_examples=num,
         eval_s=_opt_float(metrics.get(keys.EVAL_S)),
-        runtime=runtime if isinstance(runtime, str) else "",
-        error=str(error),
+        runtime=_opt_text(report.get(keys.EVAL_RUNTIME), EVAL_RUNTIMES) or "",
+        error=error,
         peak_bytes=common["peak_bytes"],
         baseline_bytes=common["baseline_bytes"],
     )
     return result if result.ran or result.error else None
+
+
+def read_train_reply(
+    content: RecordDict, *, kind: str
+) -> tuple[TrainReply, dict[str, Any] | None]:
+    """The one reader of a train reply from any node: its figures and (``full``,
+    ``part``) its arrays as a torch state dict, or ``MalformedReply`` with the
+    reason, whatever the fault (missing or renamed records, values of any type,
+    array bytes that are empty, a zip file, truncated, of an object or non-native
+    dtype). The arrays' keys, shapes and values are checked against the model by
+    ``server.aggregate``.
+    """
+    try:
+        reply = TrainReply.from_content(content, kind=kind)
+        if kind == "none":
+            return reply, None
+        return reply, _state_dict(TrainReply.arrays(content))
+    except MalformedReply:
+        raise
+    except Exception as e:  # a peer's bytes: any fault is a rejection, not a crash
+        raise MalformedReply(
+            f"unreadable reply ({type(e).__name__}: {_show(e, 120)})"
+        ) from None
+
+
+def _state_dict(arrays: Any) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    if not isinstance(arrays, ArrayRecord):
+        raise MalformedReply("arrays is not an ArrayRecord")
+    state = {}
+    for key in list(arrays.keys()):
+        value = arrays[key].numpy()  # np.load(allow_pickle=False)
+        if (
+            not isinstance(value, np.ndarray)
+            or value.dtype.kind not in "biuf"
+            or not value.dtype.isnative
+        ):
+            raise MalformedReply(
+                f"array {key[:80]!r} has dtype {getattr(value, 'dtype', '?')}; "
+                "expected a native bool, integer or float array"
+            )
+        state[key] = torch.from_numpy(np.ascontiguousarray(value))
+    return state
 
 
 def _one(records: Any, key: str, what: str) -> Any:
@@ -227,25 +313,45 @@ def _one(records: Any, key: str, what: str) -> Any:
     raise MalformedReply(f"no {what} {key!r} in the reply")
 
 
-def _opt_int(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def _finite(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _opt_int(value: Any, high: int = MAX_BYTES) -> int | None:
+    """An optional count or size: an integral number in 0..``high``, else None."""
+    if not _finite(value) or value != int(value) or not 0 <= value <= high:
         return None
-    return int(value) if math.isfinite(value) else None
+    return int(value)
 
 
-def _opt_float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def _opt_float(value: Any, low: float = 0.0, high: float = math.inf) -> float | None:
+    """An optional finite number in [low, high] (times, losses, accuracies)."""
+    if not _finite(value) or not low <= value <= high:
         return None
     return float(value)
 
 
-def _as_int(value: Any, key: str) -> int:
-    """An integer metric; lists and non-integral values are malformed."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value != int(value)
-    ):
-        raise MalformedReply(f"{key}: expected an integer, got {value!r}")
+def _opt_text(value: Any, choices: tuple[str, ...] | None = None) -> str | None:
+    """A text of the report, cut to ``MAX_TEXT`` characters; one of ``choices``."""
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        return None
+    return value[:MAX_TEXT]
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text[:limit]
+
+
+def _as_int(value: Any, key: str, low: int, high: int) -> int:
+    """An integer metric in ``low..high``; lists and non-integral values are
+    malformed."""
+    if not _finite(value) or value != int(value) or not low <= value <= high:
+        raise MalformedReply(
+            f"{key}: expected an integer in {low}..{high}, got {_show(value)}"
+        )
     return int(value)
