@@ -330,10 +330,11 @@ def check_exposure(args: argparse.Namespace, tls: bool) -> tuple[str, int] | Non
             nginx installed, or on the SuperLink's own port.
     """
     if not proxy.is_loopback(args.host):
+        wanted = f"[{args.host}]" if ":" in args.host else args.host
         raise ValueError(
             f"--host {args.host} would put the SuperLink's Control API (anyone could "
             "start runs and register keys) on the network; keep --host on loopback "
-            f"and let devices in with --public {args.host}:{args.port + 1} (nginx "
+            f"and let devices in with --public {wanted}:{args.port + 1} (nginx "
             "forwards only the Fleet API)"
         )
     if not args.public:
@@ -363,6 +364,14 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_supernode_auth and not tls:
         raise ValueError("--enable-supernode-auth needs TLS: give the --ssl-* files")
     public = check_exposure(args, tls)
+    if not (APP_DIR / "pyproject.toml").is_file():
+        raise FileNotFoundError(
+            f"the fleetfit Flower app (pyproject.toml) is not in {APP_DIR}; run from a "
+            "source checkout"
+        )
+    out = Path(args.out).resolve()
+    run_config = server_run_config(args, out)
+    num_rounds = check_run_config(run_config).num_server_rounds
     if not tls:
         log.warning(
             "running WITHOUT TLS: messages travel in the clear; keep the SuperNodes "
@@ -373,14 +382,6 @@ def run_server(args: argparse.Namespace) -> int:
             "--public without --enable-supernode-auth: any device that holds the CA "
             "certificate can join as a SuperNode and receive the model"
         )
-    if not (APP_DIR / "pyproject.toml").is_file():
-        raise FileNotFoundError(
-            f"the fleetfit Flower app (pyproject.toml) is not in {APP_DIR}; run from a "
-            "source checkout"
-        )
-    out = Path(args.out).resolve()
-    run_config = server_run_config(args, out)
-    num_rounds = check_run_config(run_config).num_server_rounds
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
     link_home, cli_home = work / "link", work / "cli"
