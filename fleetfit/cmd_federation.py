@@ -10,10 +10,12 @@ starts the run with ``flwr run`` (the ServerApp waits for ``--min-nodes`` nodes 
 samples every connected node each round) and returns when the run ends, stopping the
 SuperLink (also on Ctrl-C or an error). ``client`` starts a SuperNode with its budgets
 in the node config, on a free local port, and stops it on Ctrl-C. Without TLS options
-both run insecure, on loopback, with a warning; with ``--ssl-*`` (server) and
+both run insecure, with a warning; with ``--ssl-*`` (server) and
 ``--root-certificates`` (client) the links use TLS, and ``--enable-supernode-auth``
 with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
-join. The exact Flower commands are in the README's Deploy section.
+join. The SuperLink listens on loopback only; ``--public HOST:PORT`` lets other
+machines in through nginx, which forwards only the Fleet API (``fleetfit/proxy.py``).
+The exact Flower commands are in the README's Deploy section.
 """
 
 from __future__ import annotations
