@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -389,26 +390,25 @@ def run_server(args: argparse.Namespace) -> int:
     link_home, cli_home = work / "link", work / "cli"
     link_home.mkdir()
     cli_home.mkdir()
-    # The SuperLink's own TLS files: the operator's, or (behind nginx) a loopback
-    # CA made for this start, which nginx and the operator's `flwr` verify.
+    # The SuperLink's own TLS files: the operator's, or (behind nginx) those of a
+    # loopback CA made for this start, which nginx and the operator's `flwr` verify.
     link_tls: tuple[str, str, str] | None = None
+    nginx_cmd: list[str] | None = None
     if public:
         ca, cert, key = proxy.loopback_certificates(work / "loopback", args.host)
         link_tls = (str(cert), str(key), str(ca))
-    elif tls:
-        link_tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
-    nginx_cmd: list[str] | None = None
-    if public:
         config = proxy.nginx_config(
             public=public,
             certfile=str(Path(args.ssl_certfile).resolve()),
             keyfile=str(Path(args.ssl_keyfile).resolve()),
             upstream=(args.host, args.port),
-            upstream_ca=Path(link_tls[2]) if link_tls else Path(),
+            upstream_ca=ca,
             work=work / "nginx",
             logs=out,
         )
         nginx_cmd = proxy.prepare_nginx(proxy.find_nginx(), config, work / "nginx", out)
+    elif tls:
+        link_tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
     cmd = [
         str(BIN / "flower-superlink"),
         "--host",
@@ -450,7 +450,7 @@ def run_server(args: argparse.Namespace) -> int:
             args.host, args.port, link_tls[2] if link_tls else None, 60.0, superlink
         )
         if public and nginx_cmd:
-            nginx = proxy.start_nginx(nginx_cmd, out)
+            nginx = proxy.start_nginx(nginx_cmd, out)  # once the SuperLink answers
             proxy.wait_listening(public, nginx, 30.0, out / "proxy.log")
             print(
                 f"{say} nginx on {args.public} (TLS, {args.ssl_certfile}) forwards "
@@ -510,6 +510,7 @@ def run_server(args: argparse.Namespace) -> int:
         if nginx is not None:
             stop(nginx)
         stop(superlink)
+        shutil.rmtree(work / "loopback", ignore_errors=True)  # its private key
 
 
 # ------------------------------------------------------------------- client
