@@ -133,6 +133,8 @@ def test_public_proxy_lets_devices_in_and_keeps_outsiders_out(tmp_path):
                 "1",
                 "--local-steps",
                 "2",
+                "--run-config",  # what the proxy is tested on, not the measurement
+                "client-measure='inline' export-onnx='off'",
                 "--out",
                 str(out),
                 "--ssl-certfile",
@@ -225,12 +227,13 @@ def test_public_proxy_lets_devices_in_and_keeps_outsiders_out(tmp_path):
         assert re.search(rf'"POST /v1/control/{route} HTTP/1.1" 403', access), route
     assert re.search(r'"POST /v1/fleet/push-messages HTTP/1.1" 200', access)
     # nginx and the SuperLink went with the server: nothing listens any more.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((PUBLIC, public_port), timeout=1).close()
-        except OSError:
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"nginx still listens on {PUBLIC}:{public_port}")
+    for address in ((PUBLIC, public_port), ("127.0.0.1", port)):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(address, timeout=1).close()
+            except OSError:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"something still listens on {address}")
