@@ -10,10 +10,12 @@ starts the run with ``flwr run`` (the ServerApp waits for ``--min-nodes`` nodes 
 samples every connected node each round) and returns when the run ends, stopping the
 SuperLink (also on Ctrl-C or an error). ``client`` starts a SuperNode with its budgets
 in the node config, on a free local port, and stops it on Ctrl-C. Without TLS options
-both run insecure, on loopback, with a warning; with ``--ssl-*`` (server) and
+both run insecure, with a warning; with ``--ssl-*`` (server) and
 ``--root-certificates`` (client) the links use TLS, and ``--enable-supernode-auth``
 with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
-join. The exact Flower commands are in the README's Deploy section.
+join. The SuperLink listens on loopback only; ``--public HOST:PORT`` lets other
+machines in through nginx, which forwards only the Fleet API (``fleetfit/proxy.py``).
+The exact Flower commands are in the README's Deploy section.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -32,6 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from fleetfit import proxy
 from fleetfit.args import positive_float, positive_int
 from server.config import ServerConfig
 
@@ -58,8 +62,21 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="run a federation's server: a Flower SuperLink and the run",
         description="Start a SuperLink, run the federation with `flwr run`, stop.",
     )
-    s.add_argument("--host", default="127.0.0.1", help="address to bind")
-    s.add_argument("--port", type=positive_int, default=9091, help="SuperLink port")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the SuperLink's address: loopback only (its Control API starts runs)",
+    )
+    s.add_argument(
+        "--port", type=positive_int, default=9091, help="the SuperLink's port"
+    )
+    s.add_argument(
+        "--public",
+        metavar="HOST:PORT",
+        help="let devices on other machines in here (e.g. 0.0.0.0:9092): nginx "
+        "listens there with the --ssl-* files and forwards only the Fleet API to "
+        "the loopback SuperLink (needs nginx and TLS)",
+    )
     s.add_argument(
         "--rounds",
         type=positive_int,
@@ -114,7 +131,10 @@ def add(sub: argparse._SubParsersAction) -> None:
         default="",
         help='more run-config keys, TOML ("lr=0.01 min-replies=2")',
     )
-    s.add_argument("--ssl-certfile", help="TLS: the SuperLink's certificate")
+    s.add_argument(
+        "--ssl-certfile",
+        help="TLS: the server's certificate (nginx's, with --public)",
+    )
     s.add_argument("--ssl-keyfile", help="TLS: its private key")
     s.add_argument("--ssl-ca-certfile", help="TLS: the CA certificate")
     s.add_argument(
@@ -302,6 +322,42 @@ def check_run_config(run_config: str) -> ServerConfig:
     return cfg
 
 
+def check_exposure(args: argparse.Namespace, tls: bool) -> tuple[str, int] | None:
+    """Where devices reach the server: ``None`` (the SuperLink itself, on loopback)
+    or ``--public``'s address, checked. The SuperLink's port also serves the Control
+    API (start runs, register keys) to anyone, so it never leaves loopback; other
+    machines come in through nginx, with TLS, to the Fleet API only.
+
+    Raises:
+        ValueError: ``--host`` is not loopback; ``--public`` without TLS, without
+            nginx installed, or on the SuperLink's own port.
+    """
+    if not proxy.is_loopback(args.host):
+        wanted = f"[{args.host}]" if ":" in args.host else args.host
+        raise ValueError(
+            f"--host {args.host} would put the SuperLink's Control API (anyone could "
+            "start runs and register keys) on the network; keep --host on loopback "
+            f"and let devices in with --public {wanted}:{args.port + 1} (nginx "
+            "forwards only the Fleet API)"
+        )
+    if not args.public:
+        return None
+    public = proxy.parse_public(args.public)
+    if not tls:
+        raise ValueError(
+            "--public needs TLS: give --ssl-certfile, --ssl-keyfile and "
+            "--ssl-ca-certfile (the certificate devices verify, for the public name)"
+        )
+    host = public[0].strip("[]")
+    if public[1] == args.port and host in ("0.0.0.0", "::", "", args.host):
+        raise ValueError(
+            f"--public {args.public} takes the SuperLink's own port {args.port}; "
+            f"give another, e.g. --public {public[0]}:{args.port + 1}"
+        )
+    proxy.find_nginx()  # fails early, naming the package
+    return public
+
+
 def run_server(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     tls = _check_tls(
@@ -310,12 +366,7 @@ def run_server(args: argparse.Namespace) -> int:
     )
     if args.enable_supernode_auth and not tls:
         raise ValueError("--enable-supernode-auth needs TLS: give the --ssl-* files")
-    if not tls:
-        log.warning(
-            "running WITHOUT TLS: messages travel in the clear; bind only to "
-            "loopback or a trusted network, or give --ssl-certfile/--ssl-keyfile/"
-            "--ssl-ca-certfile"
-        )
+    public = check_exposure(args, tls)
     if not (APP_DIR / "pyproject.toml").is_file():
         raise FileNotFoundError(
             f"the fleetfit Flower app (pyproject.toml) is not in {APP_DIR}; run from a "
@@ -324,11 +375,40 @@ def run_server(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     run_config = server_run_config(args, out)
     num_rounds = check_run_config(run_config).num_server_rounds
+    if not tls:
+        log.warning(
+            "running WITHOUT TLS: messages travel in the clear; keep the SuperNodes "
+            "on this machine, or give --ssl-certfile/--ssl-keyfile/--ssl-ca-certfile"
+        )
+    if public and not args.enable_supernode_auth:
+        log.warning(
+            "--public without --enable-supernode-auth: any device that holds the CA "
+            "certificate can join as a SuperNode and receive the model"
+        )
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
     link_home, cli_home = work / "link", work / "cli"
     link_home.mkdir()
     cli_home.mkdir()
+    # The SuperLink's own TLS files: the operator's, or (behind nginx) those of a
+    # loopback CA made for this start, which nginx and the operator's `flwr` verify.
+    link_tls: tuple[str, str, str] | None = None
+    nginx_cmd: list[str] | None = None
+    if public:
+        ca, cert, key = proxy.loopback_certificates(work / "loopback", args.host)
+        link_tls = (str(cert), str(key), str(ca))
+        config = proxy.nginx_config(
+            public=public,
+            certfile=str(Path(args.ssl_certfile).resolve()),
+            keyfile=str(Path(args.ssl_keyfile).resolve()),
+            upstream=(args.host, args.port),
+            upstream_ca=ca,
+            work=work / "nginx",
+            logs=out,
+        )
+        nginx_cmd = proxy.prepare_nginx(proxy.find_nginx(), config, work / "nginx", out)
+    elif tls:
+        link_tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
     cmd = [
         str(BIN / "flower-superlink"),
         "--host",
@@ -339,23 +419,17 @@ def run_server(args: argparse.Namespace) -> int:
         str(superlink_database(args.database, work)),
         "--disable-runtime-dependency-installation",
     ]
-    if tls:
-        cmd += [
-            "--ssl-certfile",
-            args.ssl_certfile,
-            "--ssl-keyfile",
-            args.ssl_keyfile,
-            "--ssl-ca-certfile",
-            args.ssl_ca_certfile,
-        ]
+    if link_tls:
+        cmd += ["--ssl-certfile", link_tls[0], "--ssl-keyfile", link_tls[1]]
+        cmd += ["--ssl-ca-certfile", link_tls[2]]
     else:
         cmd.append("--insecure")
     if args.enable_supernode_auth:
         cmd.append("--enable-supernode-auth")
     conn = [f"address = {_toml_str(f'{args.host}:{args.port}')}"]
-    if tls:
-        ca = str(Path(args.ssl_ca_certfile).resolve())
-        conn.append(f"root-certificates = {_toml_str(ca)}")
+    if link_tls:
+        ca_path = str(Path(link_tls[2]).resolve())
+        conn.append(f"root-certificates = {_toml_str(ca_path)}")
     else:
         conn.append("insecure = true")
     (cli_home / "config.toml").write_text(
@@ -364,16 +438,33 @@ def run_server(args: argparse.Namespace) -> int:
         + "\n"
     )
     superlink = _start(cmd, _env(link_home), out / "superlink.log")
-    print(f"fleetfit server: SuperLink on {args.host}:{args.port}", file=sys.stderr)
+    nginx: subprocess.Popen | None = None
+    say = "fleetfit server:"
+    print(
+        f"{say} SuperLink (Fleet, Control and Runtime APIs) on {args.host}:{args.port}"
+        f"{', TLS' if link_tls else ''}, loopback only",
+        file=sys.stderr,
+    )
     try:
         wait_healthy(
-            args.host,
-            args.port,
-            args.ssl_ca_certfile if tls else None,
-            60.0,
-            superlink,
+            args.host, args.port, link_tls[2] if link_tls else None, 60.0, superlink
         )
-        for key in args.register:
+        if public and nginx_cmd:
+            nginx = proxy.start_nginx(nginx_cmd, out)  # once the SuperLink answers
+            proxy.wait_listening(public, nginx, 30.0, out / "proxy.log")
+            print(
+                f"{say} nginx on {args.public} (TLS, {args.ssl_certfile}) forwards "
+                f"only the Fleet API (POST {proxy.FLEET_PREFIX}...) to the SuperLink; "
+                f"devices: fleetfit client --superlink <this host>:{public[1]} "
+                f"--root-certificates {args.ssl_ca_certfile}",
+                file=sys.stderr,
+            )
+        print(
+            f"{say} the operator's flwr commands go to {args.host}:{args.port}: "
+            f'FLWR_HOME={cli_home} flwr ls fleetfit (connection "fleetfit")',
+            file=sys.stderr,
+        )
+        for key in args.register:  # the Control API, on loopback
             done = subprocess.run(
                 [str(BIN / "flwr"), "supernode", "register", key, "fleetfit"],
                 env=_env(cli_home),
@@ -386,7 +477,7 @@ def run_server(args: argparse.Namespace) -> int:
                     f"registering {key} failed: {done.stdout}{done.stderr}"
                 )
             print(f"registered SuperNode key {key}", file=sys.stderr)
-        print(f"fleetfit server: run config {run_config}", file=sys.stderr)
+        print(f"{say} run config {run_config}", file=sys.stderr)
         ran = subprocess.run(
             [
                 str(BIN / "flwr"),
@@ -408,7 +499,7 @@ def run_server(args: argparse.Namespace) -> int:
         )
         if ran.returncode != 0 or rounds < num_rounds:
             print(
-                f"fleetfit server: the run ended after {rounds} of {num_rounds} "
+                f"{say} the run ended after {rounds} of {num_rounds} "
                 f"rounds (flwr run exit {ran.returncode}); see {out}/superlink.log",
                 file=sys.stderr,
             )
@@ -416,7 +507,10 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"run folder: {out}")
         return 0
     finally:
+        if nginx is not None:
+            stop(nginx)
         stop(superlink)
+        shutil.rmtree(work / "loopback", ignore_errors=True)  # its private key
 
 
 # ------------------------------------------------------------------- client

@@ -225,7 +225,7 @@ def uninterrupted(out: str, budgets: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------ TLS
-def make_tls(d: Path) -> dict[str, Path]:
+def make_tls(d: Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> dict[str, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -257,7 +257,7 @@ def make_tls(d: Path) -> dict[str, Path]:
         .add_extension(
             x509.SubjectAlternativeName(
                 [
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
                     x509.DNSName("localhost"),
                 ]
             ),
