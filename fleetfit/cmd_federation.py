@@ -38,6 +38,7 @@ from pathlib import Path
 from fleetfit import proxy
 from fleetfit.args import positive_float, positive_int
 from server.config import ServerConfig
+from server.loop import no_update_reason
 
 log = logging.getLogger("fleetfit")
 BIN = Path(sys.executable).parent
@@ -491,18 +492,9 @@ def run_server(args: argparse.Namespace) -> int:
             env=_env(cli_home),
             cwd=APP_DIR,
         )
-        summary_path = out / "summary.json"
-        rounds = (
-            len(json.loads(summary_path.read_text()).get("rounds", []))
-            if summary_path.exists()
-            else 0
-        )
-        if ran.returncode != 0 or rounds < num_rounds:
-            print(
-                f"{say} the run ended after {rounds} of {num_rounds} "
-                f"rounds (flwr run exit {ran.returncode}); see {out}/superlink.log",
-                file=sys.stderr,
-            )
+        failure = run_failure(out, num_rounds, ran.returncode)
+        if failure:
+            print(f"{say} {failure}; see {out}/superlink.log", file=sys.stderr)
             return 1
         print(f"run folder: {out}")
         return 0
@@ -511,6 +503,24 @@ def run_server(args: argparse.Namespace) -> int:
             stop(nginx)
         stop(superlink)
         shutil.rmtree(work / "loopback", ignore_errors=True)  # its private key
+
+
+def run_failure(out: Path, num_rounds: int, returncode: int) -> str:
+    """Why a finished run failed, in one line ("" when it did not): ``flwr run``
+    failed, the summary has fewer than ``num_rounds`` rounds, or no round accepted
+    an update (``server.loop.no_update_reason``)."""
+    summary_path = out / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    except (OSError, ValueError) as e:
+        return f"the run folder's summary.json cannot be read ({e})"
+    rounds = len(summary.get("rounds", []))
+    if returncode != 0 or rounds < num_rounds:
+        return (
+            f"the run ended after {rounds} of {num_rounds} rounds "
+            f"(flwr run exit {returncode})"
+        )
+    return no_update_reason(summary) or ""
 
 
 # ------------------------------------------------------------------- client

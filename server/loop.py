@@ -453,3 +453,25 @@ class Federation:
 def _reason(reply: Message) -> str:
     """A Flower error reply's reason, as text of bounded length."""
     return str(reply.error.reason)[:MAX_TEXT]
+
+
+def no_update_reason(summary: dict[str, Any]) -> str | None:
+    """Why a run's model never changed, in one line, or None when some round
+    accepted an update (a run that trained nothing must not look like a success)."""
+    rounds = summary.get("rounds", [])
+    if any((r.get("num_clients") or 0) > 0 for r in rounds):
+        return None
+    errors = [e for r in rounds for e in r.get("errors", [])]
+    statuses = sorted(
+        {
+            str(a.get("status"))
+            for r in rounds
+            for a in r.get("assignments", [])
+            if a.get("status") not in (None, "ok", "none")
+        }
+    )
+    why = "; ".join((statuses or errors or ["no node was sampled"])[:3])
+    return (
+        f"no update was accepted in any of {len(rounds)} round(s): the model is the "
+        f"initial one ({why[:300]})"
+    )

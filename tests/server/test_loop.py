@@ -87,3 +87,21 @@ def test_sampling_fraction_is_seeded(tmp_path):
     t2 = DirectTransport(6)
     run(tmp_path / "x", t2, fraction_train=0.5)
     assert t.sent == t2.sent
+
+
+def test_a_run_that_accepted_no_update_fails_with_the_reason(tmp_path):
+    from fleetfit.cmd_federation import run_failure
+
+    def garbage(node_id, reply):  # every node: arrays that are not arrays
+        content = RecordDict({"metrics": MetricRecord({"num-examples": float("inf")})})
+        return Message(content=content, metadata=reply.metadata)
+
+    summary, out = run(tmp_path / "bad", DirectTransport(2, tamper=garbage))
+    assert all(r["num_clients"] == 0 for r in summary["rounds"])
+    why = run_failure(out, 2, 0)
+    assert "no update was accepted in any of 2 round(s)" in why
+    assert "malformed: no ArrayRecord" in why  # why the replies were refused
+    _, good = run(tmp_path / "good", DirectTransport(1))
+    assert run_failure(good, 2, 0) == ""
+    assert "after 2 of 3 rounds" in run_failure(good, 3, 0)
+    assert "flwr run exit 1" in run_failure(good, 2, 1)
