@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from server import persist, privacy
@@ -375,7 +376,7 @@ class Federation:
                 log.warning("node %s failed: %s", node_id, reason)
                 continue
             try:  # the one reader: any fault of the reply is a MalformedReply
-                got, state = read_train_reply(reply.content, kind=a.kind)
+                got, arrays = read_train_reply(reply.content, kind=a.kind)
             except MalformedReply as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
                 reports[node_id] = {"status": f"malformed: {e}"}
@@ -390,13 +391,14 @@ class Federation:
                 "status": "ok",
             }
             reports[node_id] = rec
-            if a.kind == "none" or state is None:
+            if a.kind == "none" or arrays is None:
                 rec["status"] = "none"
                 rec.update(self.onnx.eval_report(got.eval))
                 continue
             if rec["message_bytes"] is None:  # a plain client: what was sent
                 sent = TrainReply.arrays(reply.content).values()
                 rec["message_bytes"] = sum(len(x.data) for x in sent)
+            state = {k: torch.from_numpy(v) for k, v in arrays.items()}
             pid = got.partition_id
             if pid is None:
                 pid = self.nodes.get(node_id, NodeFacts()).partition_id

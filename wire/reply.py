@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from wire import keys
@@ -260,9 +261,10 @@ def _eval_result(
 
 def read_train_reply(
     content: RecordDict, *, kind: str
-) -> tuple[TrainReply, dict[str, Any] | None]:
+) -> tuple[TrainReply, dict[str, np.ndarray] | None]:
     """The one reader of a train reply from any node: its figures and (``full``,
-    ``part``) its arrays as a torch state dict, or ``MalformedReply`` with the
+    ``part``) its arrays (native numpy arrays of the dtypes ``torch.from_numpy``
+    takes; wire imports no torch), or ``MalformedReply`` with the
     reason, whatever the fault (missing or renamed records, values of any type,
     array bytes that are empty, a zip file, truncated, of an object or non-native
     dtype). The arrays' keys, shapes and values are checked against the model by
@@ -272,7 +274,7 @@ def read_train_reply(
         reply = TrainReply.from_content(content, kind=kind)
         if kind == "none":
             return reply, None
-        return reply, _state_dict(TrainReply.arrays(content))
+        return reply, _state_arrays(TrainReply.arrays(content))
     except MalformedReply:
         raise
     except Exception as e:  # a peer's bytes: any fault is a rejection, not a crash
@@ -281,10 +283,22 @@ def read_train_reply(
         ) from None
 
 
-def _state_dict(arrays: Any) -> dict[str, Any]:
-    import numpy as np
-    import torch
+_DTYPES = frozenset(
+    (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "float16",
+        "float32",
+        "float64",
+    )
+)  # numpy dtypes that torch.from_numpy takes
 
+
+def _state_arrays(arrays: Any) -> dict[str, np.ndarray]:
     if not isinstance(arrays, ArrayRecord):
         raise MalformedReply("arrays is not an ArrayRecord")
     state = {}
@@ -292,14 +306,14 @@ def _state_dict(arrays: Any) -> dict[str, Any]:
         value = arrays[key].numpy()  # np.load(allow_pickle=False)
         if (
             not isinstance(value, np.ndarray)
-            or value.dtype.kind not in "biuf"
+            or value.dtype.name not in _DTYPES
             or not value.dtype.isnative
         ):
             raise MalformedReply(
                 f"array {key[:80]!r} has dtype {getattr(value, 'dtype', '?')}; "
                 "expected a native bool, integer or float array"
             )
-        state[key] = torch.from_numpy(np.ascontiguousarray(value))
+        state[key] = np.ascontiguousarray(value)
     return state
 
 
