@@ -21,8 +21,11 @@ import functools
 import io
 import json
 import math
+import signal
+import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -495,6 +498,32 @@ def _reply(
 
 
 # ---------------------------------------------------------------- what must hold
+class RoundTimeout(BaseException):
+    """A round ran past its time limit (a BaseException: no ``except Exception`` in
+    the server swallows it)."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``RoundTimeout`` in the block after ``seconds`` (SIGALRM; the main
+    thread only). A timer already set (pytest-timeout's) is put back afterwards."""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise RoundTimeout(f"over {seconds:g} s")
+
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    old_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:
+            left = old_delay - (time.monotonic() - t0)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
+
+
 def _no_constant(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")
 

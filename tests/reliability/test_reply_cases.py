@@ -20,11 +20,14 @@ import pytest
 from server.loop import Federation
 from tests.reliability.hostile import (
     HostileTransport,
+    RoundTimeout,
     honest_state,
     make_config,
     query_answer,
     refusal,
+    role_budgets,
     round_problems,
+    time_limit,
     train_answer,
 )
 from wire import keys
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 HONEST = {1000: 0, 1001: 1}
 NODE = 2000  # the hostile node (partition 2)
 INF, NAN = math.inf, math.nan
+ROUND_LIMIT_S = 10  # a round takes about 0.05 s
 
 
 def run_case(
@@ -56,9 +60,14 @@ def run_case(
     def on_train(node: int, ins: Any) -> tuple[Any, ...]:
         return train_answer(train.get(node, ("reply", [])), ins.kind, pid[node])
 
+    role_budgets()  # profiles the model once per process, outside the time limit
     transport = HostileTransport(HONEST, hostile, on_query, on_train)
     fed = Federation(make_config(tmp_path / "run", rounds=1), transport)
-    record = fed.run_round(1)
+    try:
+        with time_limit(ROUND_LIMIT_S):
+            record = fed.run_round(1)
+    except RoundTimeout as e:
+        pytest.fail(f"the round hangs ({e})")
     return fed, record
 
 
@@ -115,11 +124,13 @@ def test_report_holding_bytes(tmp_path, kind):
     assert_refused(fed, record, NODE, "report")
 
 
-def test_nan_train_s_and_train_loss(tmp_path):
-    """Target: no NaN in summary.json (the update itself is S and may count)."""
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_non_finite_train_s_and_train_loss(tmp_path, value):
+    """Target: no NaN or Infinity in summary.json (the update itself is S and may
+    count). The fuzzer found inf too."""
     changes = [
-        ("set", "metrics", keys.TRAIN_S, NAN),
-        ("set", "metrics", keys.TRAIN_LOSS, NAN),
+        ("set", "metrics", keys.TRAIN_S, value),
+        ("set", "metrics", keys.TRAIN_LOSS, value),
     ]
     fed, record = run_case(tmp_path, changes)
     assert round_problems(fed, 1, record) == []
@@ -192,4 +203,43 @@ def test_query_reply_with_a_bad_fact(tmp_path, key, value):
     fed, record = run_case(
         tmp_path, query=("reply", "full", [("set", "node", key, value)])
     )
+    assert_refused(fed, record, NODE, key)
+
+
+# ---------------------------------------------------------------- found by the fuzzer
+def test_query_reply_with_a_huge_budget(tmp_path):
+    """budget-bytes 1e308: once the round hung in the assigner (memory.cost.unslack
+    steps one byte at a time from a float-rounded guess)."""
+    query = ("reply", "full", [("set", "node", keys.BUDGET_BYTES, 1e308)])
+    fed, record = run_case(tmp_path, query=query)
+    assert round_problems(fed, 1, record) == []
+
+
+def test_query_reply_with_a_negative_disk_budget(tmp_path):
+    """disk-budget-bytes < 0: once MemoryPlanError from the assigner ended the
+    round."""
+    query = ("reply", "none", [("set", "node", keys.DISK_BUDGET_BYTES, -(2**63))])
+    fed, record = run_case(tmp_path, query=query)
+    assert_refused(fed, record, NODE, keys.DISK_BUDGET_BYTES)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        (keys.EVAL_LOSS, -721972),
+        (keys.EVAL_LOSS, 1e308),
+        (keys.EVAL_ACCURACY, -INF),
+        (keys.EVAL_ACCURACY, 2**63 - 1),
+    ],
+)
+def test_eval_figures_out_of_range_are_not_averaged(tmp_path, key, value):
+    other = NODE + 1  # an honest evaluation-only node: loss 1.5, accuracy 0.5
+    fed, record = run_case(
+        tmp_path,
+        {NODE: ("reply", [("set", "metrics", key, value)])},
+        query={NODE: ("reply", "none", []), other: ("reply", "none", [])},
+    )
+    fe = record["federated_eval"]
+    assert fe is not None and fe["num_nodes"] == 1, fe
+    assert (fe["accuracy"], fe["loss"]) == (0.5, 1.5), fe
     assert_refused(fed, record, NODE, key)
