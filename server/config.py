@@ -165,7 +165,7 @@ class ServerConfig:
     #   above this many times the round's median; 0 disables
     max_examples: int = 1_000_000  # [max-examples] examples a reply may claim; a
     #   larger claim counts as this many (its status says so)
-    weight_clip: float = 4.0  # [weight-clip] an update's averaging weight is at most
+    weight_clip: float = 2.0  # [weight-clip] an update's averaging weight is at most
     #   this many times the round's median example count (the lower median of the
     #   accepted updates), so no node decides the average by its claim; 0 disables
     runtime_reserve: str = RUNTIME_RESERVE  # [runtime-reserve] fixed process costs the

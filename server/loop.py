@@ -55,6 +55,7 @@ class Federation:
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
         self.offline: list[int] = []  # this round's nodes drawn offline
+        self.discovery_errors: list[str] = []  # this round's refused facts
         self.assigner = Assigner(
             self.workload,
             self.model,
@@ -105,9 +106,17 @@ class Federation:
                 self.nodes[node_id] = NodeFacts()
                 continue
             # never raises: a fact that is not valid is None (wire.facts)
-            self.nodes[node_id] = NodeFacts.from_record(
+            facts, refused = NodeFacts.read(
                 reply.content.config_records.get(keys.NODE, {})
             )
+            self.nodes[node_id] = facts
+            if refused:
+                msg = (
+                    f"node {node_id}: facts refused ({', '.join(refused)[:300]}); "
+                    "the node is planned without them"
+                )
+                log.warning(msg)
+                self.discovery_errors.append(msg)
         log.info("known nodes: %d", len(self.nodes))
 
     def sample(self, server_round: int) -> list[int]:
@@ -218,6 +227,7 @@ class Federation:
             )
         replies = self.transport.train(instructions, server_round, cfg.round_timeout_s)
         updates, train_losses, errors, reports = self._collect(replies, assignments)
+        errors[:0], self.discovery_errors = self.discovery_errors, []
         if not sampled:
             msg = (
                 f"round {server_round}: no node to sample: none of the "
@@ -357,6 +367,7 @@ class Federation:
     def _collect(
         self, replies: list[Message], assignments: dict[int, Assignment]
     ) -> tuple[list[Update], list[float], list[str], dict[int, dict[str, Any]]]:
+        cfg = self.cfg
         updates: list[Update] = []
         losses: list[float] = []
         errors: list[str] = []
@@ -394,6 +405,8 @@ class Federation:
             if a.kind == "none" or arrays is None:
                 rec["status"] = "none"
                 rec.update(self.onnx.eval_report(got.eval))
+                if rec.get("eval_num_examples", 0) > cfg.max_examples:  # as updates
+                    rec["eval_num_examples"] = cfg.max_examples
                 continue
             if rec["message_bytes"] is None:  # a plain client: what was sent
                 sent = TrainReply.arrays(reply.content).values()
@@ -403,12 +416,12 @@ class Federation:
             if pid is None:
                 pid = self.nodes.get(node_id, NodeFacts()).partition_id
             num, loss = got.num_examples or 0, got.train_loss
-            if num > self.cfg.max_examples:
+            if num > cfg.max_examples:
                 rec["status"] = (
                     f"ok: claimed {num} examples, counted as max-examples="
-                    f"{self.cfg.max_examples}"
+                    f"{cfg.max_examples}"
                 )
-                num = self.cfg.max_examples
+                num = cfg.max_examples
             expected = self._expected_keys(a)
             updates.append(
                 Update(-1 if pid is None else pid, node_id, num, state, expected)

@@ -70,10 +70,19 @@ class NodeFacts:
         """Read a query reply's ``node`` record; what is not valid is ``None``.
 
         Never raises: ``record`` may be anything a peer sent."""
+        return cls.read(record)[0]
+
+    @classmethod
+    def read(cls, record: Any) -> tuple[NodeFacts, list[str]]:
+        """The facts of a query reply's ``node`` record, and what was refused in it
+        (``"budget-bytes=inf"``: present but of the wrong type or out of range).
+        Never raises."""
         values: dict[str, Any] = {}
-        get = record.get if isinstance(record, Mapping) else (lambda key: None)
+        refused: list[str] = []
+        if not isinstance(record, Mapping):
+            return cls(), [f"node record {str(record)[:40]!r}"]
         for name, key in _KEY.items():
-            value: Any = get(key)
+            value: Any = record.get(key)
             if name == "budget_source":
                 ok = isinstance(value, str) and value in BUDGET_SOURCES
                 values[name] = value if ok else None
@@ -84,7 +93,9 @@ class NodeFacts:
                 low, high = _RANGE.get(name, (0, MAX_BYTES))
                 ok = _number(value) and value == int(value) and low <= value <= high
                 values[name] = int(value) if ok else None
-        return cls(**values)
+            if value is not None and not ok:
+                refused.append(f"{key}={str(value)[:40]}")
+        return cls(**values), refused
 
 
 def _number(value: Any) -> bool:

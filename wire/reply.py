@@ -6,10 +6,10 @@ node measured) and ``report`` (the assignment that ran, how the peak was measure
 
 ``read_train_reply`` reads a reply from any node, a stock client or a misbehaving
 one, arrays included: it raises ``MalformedReply`` (a ``ValueError``) naming what is
-wrong where the server cannot use the reply, whatever the fault, and otherwise keeps
-what it can (an optional figure of the wrong type, not finite or out of range is
-``None``; an evaluation without a loss or with an accuracy outside [0, 1] is an
-error, not a result).
+wrong, whatever the fault. A figure may be missing (a stock Flower client sends only
+``num-examples``); one that is present must be valid (of its type, finite, in range;
+an evaluation's loss >= 0 and accuracy in [0, 1], all three of its figures or none),
+or the whole reply is refused with the key and the value named.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ MAX_BYTES = 2**60  # 1 EiB: a larger memory or message figure is nonsense
 MAX_EXAMPLES = 2**53  # a claimed example count above this is malformed; the server
 #   caps what it believes far lower (run config ``max-examples``)
 MAX_PARTITION = 2**31 - 1
+MAX_LOSS = 1e9  # a larger loss is nonsense (and its average would overflow)
 MAX_TEXT = 300  # characters kept of a reply's texts (reasons, errors)
 PEAK_METHODS = ("child", "inline", "inline-unreset", "ort-child")
 EVAL_RUNTIMES = ("onnxruntime", "torch")
@@ -126,59 +127,56 @@ class TrainReply:
         """Read a reply to an assignment of ``kind`` (``read_train_reply`` reads its
         arrays too, and turns any fault into ``MalformedReply``).
 
-        Optional figures that are missing, of the wrong type, not finite or out of
-        range are ``None``; texts are cut to ``MAX_TEXT`` characters.
+        A figure or text may be missing (``None``); one that is present must be valid:
+        counts and sizes integers in range, times and losses finite, an evaluation's
+        loss >= 0 and accuracy in [0, 1], texts of the report texts (cut to
+        ``MAX_TEXT`` characters).
 
         Raises:
-            MalformedReply: no metrics; for ``full`` and ``part``, no arrays, a
-                ``num-examples`` that is not an integer in 1..``MAX_EXAMPLES``, a
-                ``train-loss`` that is not a number, a ``partition-id`` that is not an
-                integer in 0..2**31-1.
+            MalformedReply: naming the key and the value: no metrics; for ``full``
+                and ``part``, no arrays or no ``num-examples``; any figure or report
+                entry present but invalid; an evaluation without its loss, accuracy
+                or number of examples.
         """
         record = content.config_records.get(keys.REPORT)
         report: dict[str, Any] = dict(record) if record is not None else {}
         metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
+        _text(report, keys.KIND, ("full", "part", "none"))
+        window = report.get(keys.WINDOW)
+        if window is not None and not (
+            isinstance(window, list)
+            and len(window) == 2
+            and all(_finite(w) and w == int(w) and 0 <= w <= 2**31 for w in window)
+        ):
+            raise MalformedReply(
+                f"report {keys.WINDOW}: expected [start, stop], got {_show(window)}"
+            )
         common: dict[str, Any] = {
-            "peak_bytes": _opt_int(metrics.get(keys.PEAK_BYTES)),
-            "baseline_bytes": _opt_int(metrics.get(keys.BASELINE_BYTES)),
-            "message_bytes": _opt_int(metrics.get(keys.MESSAGE_BYTES)),
-            "train_s": _opt_float(metrics.get(keys.TRAIN_S)),
-            "num_examples": _opt_int(metrics.get(keys.NUM_EXAMPLES)),
-            "peak_method": _opt_text(report.get(keys.PEAK_METHOD), PEAK_METHODS),
-            "steps_done": _opt_int(metrics.get(keys.STEPS_DONE)),
+            "peak_bytes": _count(metrics, keys.PEAK_BYTES),
+            "baseline_bytes": _count(metrics, keys.BASELINE_BYTES),
+            "message_bytes": _count(metrics, keys.MESSAGE_BYTES),
+            "train_s": _number(metrics, keys.TRAIN_S),
+            "num_examples": _count(metrics, keys.NUM_EXAMPLES, 0, MAX_EXAMPLES),
+            "peak_method": _text(report, keys.PEAK_METHOD, PEAK_METHODS),
+            "steps_done": _count(metrics, keys.STEPS_DONE, 0, 2**31),
         }
+        partition_id = _count(metrics, keys.PARTITION_ID, 0, MAX_PARTITION)
+        loss = _number(metrics, keys.TRAIN_LOSS, low=-MAX_LOSS, high=MAX_LOSS)
+        reason = _text(report, keys.REASON) or ""
         if kind == "none":
             return cls(
                 "none",
                 **common,
-                partition_id=_opt_int(metrics.get(keys.PARTITION_ID), MAX_PARTITION),
-                min_budget_bytes=_opt_int(metrics.get(keys.MIN_BUDGET_BYTES)),
-                reason=_opt_text(report.get(keys.REASON)) or "",
+                partition_id=partition_id,
+                min_budget_bytes=_count(metrics, keys.MIN_BUDGET_BYTES),
+                reason=reason,
                 eval=_eval_result(metrics, report, common),
             )
         _one(content.array_records, keys.ARRAYS, "ArrayRecord")
         if keys.NUM_EXAMPLES not in metrics:
             raise MalformedReply(f"no metric {keys.NUM_EXAMPLES!r} in the reply")
-        common["num_examples"] = _as_int(
-            metrics[keys.NUM_EXAMPLES], keys.NUM_EXAMPLES, 1, MAX_EXAMPLES
-        )
-        loss = metrics.get(keys.TRAIN_LOSS)
-        if loss is not None and (
-            isinstance(loss, bool) or not isinstance(loss, int | float)
-        ):
-            raise MalformedReply(f"{keys.TRAIN_LOSS} {str(loss)[:40]} is not a number")
-        pid = metrics.get(keys.PARTITION_ID)
-        return cls(
-            kind,
-            **common,
-            # a NaN or infinite loss is not averaged (the arrays are checked apart)
-            train_loss=_opt_float(loss, low=-math.inf),
-            partition_id=(
-                None
-                if pid is None
-                else _as_int(pid, keys.PARTITION_ID, 0, MAX_PARTITION)
-            ),
-        )
+        common["num_examples"] = _count(metrics, keys.NUM_EXAMPLES, 1, MAX_EXAMPLES)
+        return cls(kind, **common, train_loss=loss, partition_id=partition_id)
 
     @staticmethod
     def arrays(content: RecordDict) -> ArrayRecord:
@@ -210,49 +208,51 @@ class EvalReply:
     @classmethod
     def from_content(cls, content: RecordDict) -> EvalReply:
         """Read an evaluate reply (``MalformedReply`` naming what is wrong)."""
-        metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
-        loss = _opt_float(metrics.get(keys.EVAL_LOSS))
-        accuracy = _opt_float(metrics.get(keys.EVAL_ACCURACY), high=1.0)
-        for key, v in ((keys.EVAL_LOSS, loss), (keys.EVAL_ACCURACY, accuracy)):
-            if v is None:
-                raise MalformedReply(
-                    f"{key} {_show(metrics.get(key))} is not a number in range"
-                )
-        assert loss is not None and accuracy is not None
-        num = _as_int(
-            metrics.get(keys.NUM_EXAMPLES), keys.NUM_EXAMPLES, 1, MAX_EXAMPLES
-        )
+        try:
+            metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
+            for key in (keys.EVAL_LOSS, keys.EVAL_ACCURACY, keys.NUM_EXAMPLES):
+                if key not in metrics:
+                    raise MalformedReply(f"no {key!r} in the evaluate reply")
+            loss = _number(metrics, keys.EVAL_LOSS, high=MAX_LOSS)
+            accuracy = _number(metrics, keys.EVAL_ACCURACY, high=1.0)
+            num = _count(metrics, keys.NUM_EXAMPLES, 1, MAX_EXAMPLES)
+        except MalformedReply:
+            raise
+        except Exception as e:  # a peer's records: any fault is a rejection
+            raise MalformedReply(
+                f"unreadable evaluate reply ({_show(e, 120)})"
+            ) from None
+        assert loss is not None and accuracy is not None and num is not None
         return cls(loss, accuracy, num)
 
 
 def _eval_result(
     metrics: Any, report: dict[str, Any], common: dict[str, Any]
 ) -> EvalResult | None:
-    """An evaluation-only node's result; one that counts has a number of examples, a
-    loss >= 0 and an accuracy in [0, 1]. Anything less is an error, not a result."""
-    num = _opt_int(metrics.get(keys.EVAL_NUM_EXAMPLES), MAX_EXAMPLES)
-    loss = _opt_float(metrics.get(keys.EVAL_LOSS))
-    accuracy = _opt_float(metrics.get(keys.EVAL_ACCURACY), high=1.0)
-    error = _opt_text(report.get(keys.EVAL_ERROR)) or ""
-    if num is not None and (num < 1 or loss is None or accuracy is None):
-        bad = {
-            keys.EVAL_NUM_EXAMPLES: metrics.get(keys.EVAL_NUM_EXAMPLES),
-            keys.EVAL_LOSS: metrics.get(keys.EVAL_LOSS),
-            keys.EVAL_ACCURACY: metrics.get(keys.EVAL_ACCURACY),
-        }
-        error = error or "malformed evaluation: " + ", ".join(
-            f"{k}={_show(v)}" for k, v in bad.items()
+    """An evaluation-only node's result: a number of examples, a loss >= 0 and an
+    accuracy in [0, 1], all three or none (an evaluation that failed says why in
+    ``eval-error``)."""
+    num = _count(metrics, keys.EVAL_NUM_EXAMPLES, 1, MAX_EXAMPLES)
+    loss = _number(metrics, keys.EVAL_LOSS, high=MAX_LOSS)
+    accuracy = _number(metrics, keys.EVAL_ACCURACY, high=1.0)
+    figures = {
+        keys.EVAL_NUM_EXAMPLES: num,
+        keys.EVAL_LOSS: loss,
+        keys.EVAL_ACCURACY: accuracy,
+    }
+    given = [k for k, v in figures.items() if v is not None]
+    if given and len(given) < len(figures):
+        missing = [k for k, v in figures.items() if v is None]
+        raise MalformedReply(
+            f"an evaluation with {', '.join(given)} but no {', '.join(missing)}"
         )
-        num = loss = accuracy = None
-    elif num is None:
-        loss = accuracy = None
     result = EvalResult(
         loss=loss,
         accuracy=accuracy,
         num_examples=num,
-        eval_s=_opt_float(metrics.get(keys.EVAL_S)),
-        runtime=_opt_text(report.get(keys.EVAL_RUNTIME), EVAL_RUNTIMES) or "",
-        error=error,
+        eval_s=_number(metrics, keys.EVAL_S),
+        runtime=_text(report, keys.EVAL_RUNTIME, EVAL_RUNTIMES) or "",
+        error=_text(report, keys.EVAL_ERROR) or "",
         peak_bytes=common["peak_bytes"],
         baseline_bytes=common["baseline_bytes"],
     )
@@ -303,7 +303,12 @@ def _state_arrays(arrays: Any) -> dict[str, np.ndarray]:
         raise MalformedReply("arrays is not an ArrayRecord")
     state = {}
     for key in list(arrays.keys()):
-        value = arrays[key].numpy()  # np.load(allow_pickle=False)
+        try:
+            value = arrays[key].numpy()  # np.load(allow_pickle=False)
+        except Exception as e:  # empty, a zip file, truncated, a pickle: refused
+            raise MalformedReply(
+                f"array {key[:80]!r} is unreadable ({type(e).__name__}: {_show(e, 80)})"
+            ) from None
         if (
             not isinstance(value, np.ndarray)
             or value.dtype.name not in _DTYPES
@@ -335,37 +340,47 @@ def _finite(value: Any) -> bool:
     )
 
 
-def _opt_int(value: Any, high: int = MAX_BYTES) -> int | None:
-    """An optional count or size: an integral number in 0..``high``, else None."""
-    if not _finite(value) or value != int(value) or not 0 <= value <= high:
+def _count(metrics: Any, key: str, low: int = 0, high: int = MAX_BYTES) -> int | None:
+    """The integer ``metrics[key]`` in ``low..high``; None where it is missing."""
+    if key not in metrics:
         return None
+    value = metrics[key]
+    if not _finite(value) or value != int(value) or not low <= value <= high:
+        raise MalformedReply(
+            f"{key}: expected an integer in {low}..{high}, got {_show(value)}"
+        )
     return int(value)
 
 
-def _opt_float(value: Any, low: float = 0.0, high: float = math.inf) -> float | None:
-    """An optional finite number in [low, high] (times, losses, accuracies)."""
-    if not _finite(value) or not low <= value <= high:
+def _number(
+    metrics: Any, key: str, low: float = 0.0, high: float = math.inf
+) -> float | None:
+    """The finite number ``metrics[key]`` in [low, high]; None where it is missing."""
+    if key not in metrics:
         return None
+    value = metrics[key]
+    if not _finite(value) or not low <= value <= high:
+        raise MalformedReply(
+            f"{key}: expected a finite number in [{low:g}, {high:g}], "
+            f"got {_show(value)}"
+        )
     return float(value)
 
 
-def _opt_text(value: Any, choices: tuple[str, ...] | None = None) -> str | None:
-    """A text of the report, cut to ``MAX_TEXT`` characters; one of ``choices``."""
-    if not isinstance(value, str) or (choices is not None and value not in choices):
+def _text(
+    report: dict[str, Any], key: str, choices: tuple[str, ...] | None = None
+) -> str | None:
+    """The report's text ``report[key]`` (one of ``choices``), cut to ``MAX_TEXT``
+    characters; None where it is missing."""
+    if key not in report:
         return None
+    value = report[key]
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        want = "one of " + ", ".join(choices) if choices else "a text"
+        raise MalformedReply(f"report {key}: expected {want}, got {_show(value)}")
     return value[:MAX_TEXT]
 
 
 def _show(value: Any, limit: int = 40) -> str:
     text = repr(value) if not isinstance(value, BaseException) else str(value)
     return text[:limit]
-
-
-def _as_int(value: Any, key: str, low: int, high: int) -> int:
-    """An integer metric in ``low..high``; lists and non-integral values are
-    malformed."""
-    if not _finite(value) or value != int(value) or not low <= value <= high:
-        raise MalformedReply(
-            f"{key}: expected an integer in {low}..{high}, got {_show(value)}"
-        )
-    return int(value)

@@ -44,6 +44,7 @@ def run_case(
     tmp_path: Path,
     train: dict[int, tuple[Any, ...]] | list[tuple[Any, ...]] = (),
     query: dict[int, tuple[Any, ...]] | tuple[Any, ...] = ("reply", "full", []),
+    honest: dict[int, int] = HONEST,
 ) -> tuple[Federation, dict[str, Any]]:
     """One round; ``train`` and ``query``: a node's answers as the fuzzer draws
     them (a list of changes for ``NODE`` alone, or by node)."""
@@ -52,7 +53,7 @@ def run_case(
     if not isinstance(query, dict):
         query = {NODE: query}
     hostile = sorted({*train, *query})
-    pid = {n: 2 + i for i, n in enumerate(hostile)}
+    pid = {n: len(honest) + i for i, n in enumerate(hostile)}
 
     def on_query(node: int) -> tuple[Any, ...]:
         return query_answer(query.get(node, ("reply", "full", [])), pid[node])
@@ -61,7 +62,7 @@ def run_case(
         return train_answer(train.get(node, ("reply", [])), ins.kind, pid[node])
 
     role_budgets()  # profiles the model once per process, outside the time limit
-    transport = HostileTransport(HONEST, hostile, on_query, on_train)
+    transport = HostileTransport(honest, hostile, on_query, on_train)
     fed = Federation(make_config(tmp_path / "run", rounds=1), transport)
     try:
         with time_limit(ROUND_LIMIT_S):
@@ -137,13 +138,15 @@ def test_non_finite_train_s_and_train_loss(tmp_path, value):
 
 
 def test_a_claim_of_1e15_examples_is_capped(tmp_path):
-    """A plausible update (twice S's change) claiming 10**15 examples: its weight is
-    capped, so the aggregate stays closer to S than to the claimant's update."""
+    """A plausible update (twice S's change) claiming 10**15 examples beside three
+    honest nodes: its weight is capped (max-examples, then weight-clip 2 x the
+    median: 2/5 of the average), so the aggregate stays closer to S than to the
+    claimant's update."""
     changes = [
         ("arrays", ("moved", 2.0)),
         ("set", "metrics", keys.NUM_EXAMPLES, 10**15),
     ]
-    fed, record = run_case(tmp_path, changes)
+    fed, record = run_case(tmp_path, changes, honest={**HONEST, 1002: 2})
     problems = round_problems(fed, 1, record)
     assert [p for p in problems if not p.startswith("global model")] == []
     got = fed.model.state_dict()

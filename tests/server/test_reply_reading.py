@@ -71,7 +71,7 @@ def test_bad_counts_and_partition_ids_are_rejected_with_a_reason(metrics):
 )
 def test_malformed_array_bytes_are_rejected_not_raised(data):
     arrays = ArrayRecord({"w": raw_array(data), "b": Array(np.zeros(3, "float32"))})
-    with pytest.raises(MalformedReply, match="unreadable reply"):
+    with pytest.raises(MalformedReply, match="array 'w' is unreadable"):
         read_train_reply(reply(arrays=arrays), kind="full")
 
 
@@ -81,50 +81,81 @@ def test_object_and_big_endian_arrays_are_rejected():
         read_train_reply(reply(arrays=big), kind="full")
 
 
-def test_optional_figures_out_of_range_are_dropped_not_fatal():
-    metrics = {
-        keys.NUM_EXAMPLES: 10,
-        keys.PEAK_BYTES: math.inf,
-        keys.TRAIN_S: math.nan,
-        keys.TRAIN_LOSS: math.nan,
-        keys.BASELINE_BYTES: -5,
-        keys.MESSAGE_BYTES: 10**30,
-    }
-    got, _ = read_train_reply(
-        reply(metrics, report={keys.PEAK_METHOD: b"\x00" * 9, keys.KIND: "full"}),
-        kind="full",
-    )
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        (keys.PEAK_BYTES, math.inf),
+        (keys.TRAIN_S, math.nan),
+        (keys.TRAIN_S, -1.0),
+        (keys.TRAIN_LOSS, math.nan),
+        (keys.TRAIN_LOSS, 1e308),
+        (keys.BASELINE_BYTES, -5),
+        (keys.MESSAGE_BYTES, 10**30),
+        (keys.STEPS_DONE, 2.5),
+    ],
+)
+def test_a_figure_present_must_be_valid(key, value):
+    with pytest.raises(MalformedReply, match=key):
+        read_train_reply(reply({keys.NUM_EXAMPLES: 10, key: value}), kind="full")
+
+
+def test_missing_figures_are_none_as_from_a_stock_client():
+    got, _ = read_train_reply(reply(), kind="full")
     assert got.peak_bytes is None and got.train_s is None and got.train_loss is None
-    assert got.baseline_bytes is None and got.message_bytes is None
-    assert got.peak_method is None
+
+
+@pytest.mark.parametrize("key", [keys.PEAK_METHOD, keys.KIND, keys.REASON, keys.WINDOW])
+def test_a_report_entry_of_the_wrong_type_is_refused(key):
+    with pytest.raises(MalformedReply, match=f"report {key}"):
+        read_train_reply(reply(report={key: b"\x00\xff"}), kind="full")
 
 
 @pytest.mark.parametrize(
-    "metrics",
+    "metrics, word",
     [
-        {keys.EVAL_NUM_EXAMPLES: 5},  # no loss, no accuracy
-        {
-            keys.EVAL_NUM_EXAMPLES: math.inf,
-            keys.EVAL_LOSS: 1.0,
-            keys.EVAL_ACCURACY: 0.5,
-        },
-        {keys.EVAL_NUM_EXAMPLES: 5, keys.EVAL_LOSS: 1.0, keys.EVAL_ACCURACY: 7.0},
-        {keys.EVAL_NUM_EXAMPLES: 5, keys.EVAL_LOSS: math.nan, keys.EVAL_ACCURACY: 0.5},
+        ({keys.EVAL_NUM_EXAMPLES: 5}, "but no"),
+        (
+            {
+                keys.EVAL_NUM_EXAMPLES: math.inf,
+                keys.EVAL_LOSS: 1.0,
+                keys.EVAL_ACCURACY: 0.5,
+            },
+            keys.EVAL_NUM_EXAMPLES,
+        ),
+        (
+            {keys.EVAL_NUM_EXAMPLES: 5, keys.EVAL_LOSS: 1.0, keys.EVAL_ACCURACY: 7.0},
+            keys.EVAL_ACCURACY,
+        ),
+        (
+            {
+                keys.EVAL_NUM_EXAMPLES: 5,
+                keys.EVAL_LOSS: math.nan,
+                keys.EVAL_ACCURACY: 0.5,
+            },
+            keys.EVAL_LOSS,
+        ),
     ],
 )
-def test_an_evaluation_that_is_not_one_does_not_count(metrics):
+def test_an_evaluation_that_is_not_one_is_refused(metrics, word):
+    with pytest.raises(MalformedReply, match=word):
+        read_train_reply(RecordDict({keys.METRICS: MetricRecord(metrics)}), kind="none")
+
+
+def test_an_honest_evaluation_reads():
+    metrics = {keys.EVAL_NUM_EXAMPLES: 5, keys.EVAL_LOSS: 1.0, keys.EVAL_ACCURACY: 0.4}
     got, state = read_train_reply(
         RecordDict({keys.METRICS: MetricRecord(metrics)}), kind="none"
     )
-    assert state is None
-    assert got.eval is None or not got.eval.ran
+    assert state is None and got.eval is not None
+    assert (got.eval.num_examples, got.eval.loss, got.eval.accuracy) == (5, 1.0, 0.4)
 
 
 def test_node_facts_out_of_range_are_unknown():
     for bad in (math.inf, math.nan, 0, -1, 2**70, "abc", b"x", [1], True):
-        facts = NodeFacts.from_record(
+        facts, refused = NodeFacts.read(
             {keys.BUDGET_BYTES: bad, keys.PARTITION_ID: bad, keys.NUM_CPUS: bad}
         )
+        assert any(r.startswith(keys.BUDGET_BYTES) for r in refused), bad
         want = (
             NodeFacts(partition_id=0) if bad == 0 and bad is not True else NodeFacts()
         )
