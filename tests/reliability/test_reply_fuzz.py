@@ -349,7 +349,10 @@ def run_rounds(draw: Draw, rounds: int = ROUNDS) -> tuple[str | None, int]:
                 with time_limit(ROUND_LIMIT_S):
                     record = fed.run_round(r)
             except (Exception, RoundTimeout) as e:
-                return f"round {r} raised {type(e).__name__}: {e}", len(transport.cases)
+                said = str(e)[:300]
+                return f"round {r} raised {type(e).__name__}: {said}", len(
+                    transport.cases
+                )
             problems = round_problems(fed, r, record)
             if problems:
                 return f"round {r}: " + "; ".join(problems), len(transport.cases)
@@ -361,18 +364,24 @@ def failure_class(failure: str) -> str:
     return re.sub(r"-?[0-9][0-9.e+-]*|inf|nan", "#", failure.split(";")[0])
 
 
-def smallest(log: dict[Key, tuple[Any, ...]], failure: str) -> dict[Key, Any]:
+def smallest(
+    log: dict[Key, tuple[Any, ...]], failure: str
+) -> tuple[dict[Key, Any], str]:
     """The fewest hostile answers of ``log`` (the others honest), with the fewest
-    changes, that still fail as ``failure`` does: first one node alone, then its
-    answers and their changes one at a time."""
+    changes, that still fail as ``failure`` does (first one node alone, then its
+    answers and their changes one at a time), and how they fail."""
     want = failure_class(failure)
+    got: dict[str, str] = {"failure": failure}
 
     def fails(script: dict[Key, Any]) -> bool:
         def draw(key: Key, ins: TrainInstruction | None) -> tuple[Any, ...]:
             return script.get(key, HONEST_ANSWER[key[0]])
 
-        got, _ = run_rounds(draw)
-        return got is not None and failure_class(got) == want
+        failure, _ = run_rounds(draw)
+        if failure is None or failure_class(failure) != want:
+            return False
+        got["failure"] = failure
+        return True
 
     nodes = sorted({node for _, _, node in log})
     script = dict(log)
@@ -386,16 +395,14 @@ def smallest(log: dict[Key, tuple[Any, ...]], failure: str) -> dict[Key, Any]:
         if fails(trial):
             script = trial
             continue
-        answer = script[key]
-        changes = answer[-1] if isinstance(answer[-1], list) else []
-        for change in list(changes):
+        changes = script[key][-1]
+        for change in list(changes) if isinstance(changes, list) else []:
             fewer = [c for c in script[key][-1] if c != change]
-            if not fewer:
-                continue
             trial = {**script, key: (*script[key][:-1], fewer)}
             if fails(trial):
                 script = trial
-    return script
+    fails(script)  # the failure of the answers returned
+    return script, got["failure"]
 
 
 def show(script: dict[Key, Any], kinds: dict[Key, str]) -> str:
@@ -440,12 +447,13 @@ def test_hostile_replies_never_count(data):
     failure, _ = run_rounds(draw)
     if failure is not None:
         # hypothesis runs a failing example twice: find the smallest answers once
-        found = SMALLEST.get(repr(log)) or show(smallest(log, failure), kinds)
-        SMALLEST[repr(log)] = found
-        raise AssertionError(
-            f"{failure}\nthe fewest hostile answers that fail so (others honest):\n"
-            f"{found}"
-        )
+        if repr(log) not in SMALLEST:
+            script, small = smallest(log, failure)
+            SMALLEST[repr(log)] = (
+                f"{failure}\nthe fewest hostile answers that fail so (others "
+                f"honest):\n{show(script, kinds)}\nand how: {small}"
+            )
+        raise AssertionError(SMALLEST[repr(log)])
 
 
 # ---------------------------------------------------------------- every failure
@@ -495,8 +503,8 @@ def failure_classes(examples: int = EXAMPLES) -> None:
         f"{time.monotonic() - t0:.0f} s; {sum(e[0] for e in found.values())} failed"
     )
     for count, failure, log, kinds in sorted(found.values(), key=lambda e: -e[0]):
-        print(f"\n{count} x {failure[:300]}")
-        print(show(smallest(log, failure), kinds), flush=True)
+        script, small = smallest(log, failure)
+        print(f"\n{count} x {small[:300]}\n{show(script, kinds)}", flush=True)
 
 
 if __name__ == "__main__":
