@@ -35,7 +35,9 @@ def cpu_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(
         ("127.0.0.1", 0), lambda *a: _Quiet(*a, directory=str(folder))
     )
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
@@ -141,6 +143,7 @@ def test_unreachable_cpu_index_falls_back_quickly(tmp_path: Path):
             "torch: not installed by this script (FLEETFIT_TORCH=skip)",
         ),
     ],
+    ids=["cpu", "cuda", "skip"],
 )
 def test_override(
     tmp_path: Path,
