@@ -90,7 +90,7 @@ def test_a_stock_client_reply_is_read():
         ({keys.NUM_EXAMPLES: [1, 2]}, "integer"),
         ({keys.NUM_EXAMPLES: math.nan}, "integer"),
         ({keys.NUM_EXAMPLES: math.inf}, "integer"),
-        ({keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: [0.1]}, "not a number"),
+        ({keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: [0.1]}, "train-loss"),
         ({keys.NUM_EXAMPLES: 5, keys.PARTITION_ID: 1.5}, "integer"),
     ],
 )
@@ -109,25 +109,33 @@ def test_replies_without_their_records_are_malformed():
         TrainReply.from_content(no_arrays, kind="part")
 
 
-def test_optional_figures_of_the_wrong_type_are_none():
+@pytest.mark.parametrize(
+    "metrics, report, why",
+    [
+        ({keys.PEAK_BYTES: [1, 2]}, {}, keys.PEAK_BYTES),
+        ({keys.MESSAGE_BYTES: math.inf}, {}, keys.MESSAGE_BYTES),
+        ({keys.TRAIN_S: [0.5]}, {}, keys.TRAIN_S),
+        ({}, {keys.PEAK_METHOD: 7}, keys.PEAK_METHOD),
+    ],
+)
+def test_optional_figures_may_be_missing_but_not_wrong(metrics, report, why):
+    """A stock client sends no figures (None); one that sends a figure of the wrong
+    type is refused, naming it (issue 13: metrics checked for range)."""
     content = RecordDict(
         {
             keys.ARRAYS: arrays(),
-            keys.METRICS: MetricRecord(
-                {
-                    keys.NUM_EXAMPLES: 4,
-                    keys.PEAK_BYTES: [1, 2],
-                    keys.MESSAGE_BYTES: math.inf,
-                    keys.TRAIN_S: [0.5],
-                }
-            ),
-            keys.REPORT: ConfigRecord({keys.PEAK_METHOD: 7}),
+            keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 4, **metrics}),
+            keys.REPORT: ConfigRecord(report),
         }
     )
-    got = TrainReply.from_content(content, kind="full")
-    assert got.num_examples == 4
-    assert (got.peak_bytes, got.message_bytes, got.train_s, got.peak_method) == (
-        None,
+    with pytest.raises(MalformedReply, match=why):
+        TrainReply.from_content(content, kind="full")
+    bare = RecordDict(
+        {keys.ARRAYS: arrays(), keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 4})}
+    )
+    got = TrainReply.from_content(bare, kind="full")
+    assert (got.num_examples, got.peak_bytes, got.train_s, got.peak_method) == (
+        4,
         None,
         None,
         None,
