@@ -198,33 +198,82 @@ def write_summary(
     staged.bytes(out / CSV_FILE, buf.getvalue().encode())
 
 
-def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
-    """``accuracy.png``: central accuracy (and loss) per round."""
-    import matplotlib
+def rounds_figure(summary: dict[str, Any]) -> Any:
+    """The figure of ``accuracy.png`` (a ``matplotlib.figure.Figure``, no pyplot).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Left axis: the central metric per round, ``summary["metric_name"]``: accuracy
+    (0 to 1) for classifiers, perplexity (log scale while it is positive) for language
+    models, the figure the terminal table reports. Right axis: the central loss
+    (classifiers only: a language model's is the log of its perplexity) and the
+    clients' mean training loss where rounds have one. One legend names every line
+    of both axes, below the plot; rounds are whole numbers on the x axis.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter, MaxNLocator
 
     rounds = summary["rounds"]
+    metric = summary.get("metric_name") or "accuracy"
     x = [r["round"] for r in rounds]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
 
     def values(key: str) -> list[float]:  # a missing figure (None) is a gap
-        return [math.nan if r.get(key) is None else r[key] for r in rounds]
+        return [math.nan if r.get(key) is None else float(r[key]) for r in rounds]
 
-    ax.plot(x, values("accuracy"), marker="o", label="accuracy")
+    fig = Figure(figsize=(6.5, 4.0), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    ys = values(metric)
+    ax.plot(x, ys, marker="o", color="tab:blue", label=f"central {metric}")
     ax.set_xlabel("round")
-    ax.set_ylabel("central accuracy")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(metric)
+    if metric == "accuracy":
+        ax.set_ylim(0, 1)
+    elif any(v > 0 for v in ys):
+        ax.set_yscale("log")
+        # plain numbers (20, 30), not 2x10^1; a narrow range labels minor ticks too
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if x:  # half a round of margin: one or two rounds still get whole-number ticks
+        ax.set_xlim(min(x) - 0.5, max(x) + 0.5)
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
-    ax2.plot(x, values("loss"), color="tab:red", ls="--", label="loss")
-    ax2.set_ylabel("central loss")
+    if metric == "accuracy":
+        ax2.plot(
+            x,
+            values("loss"),
+            color="tab:red",
+            ls="--",
+            marker="x",
+            label="central loss",
+        )
+    if any(r.get("train_loss") is not None for r in rounds):
+        ax2.plot(
+            x,
+            values("train_loss"),
+            color="tab:orange",
+            ls=":",
+            marker=".",
+            label="train loss (clients' mean)",
+        )
+    ax2.set_ylabel("loss")
+    if not ax2.lines:
+        ax2.set_axis_off()
+    handles = ax.lines + ax2.lines
+    fig.legend(
+        handles,
+        [h.get_label() for h in handles],
+        loc="outside lower center",
+        ncols=len(handles),
+        fontsize=8,
+    )
     ax.set_title(f"{summary.get('workload', '')}: central evaluation per round")
-    fig.tight_layout()
+    return fig
+
+
+def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
+    """``accuracy.png``: the central metric (and losses) per round; see
+    ``rounds_figure``."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
+    rounds_figure(summary).savefig(buf, format="png")
     path = Path(out) / PLOT_FILE
     atomic_write_bytes(path, buf.getvalue())
     return path
