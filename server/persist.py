@@ -260,7 +260,7 @@ def rounds_figure(summary: dict[str, Any]) -> Any:
     handles = ax.lines + ax2.lines
     fig.legend(
         handles,
-        [h.get_label() for h in handles],
+        [str(h.get_label()) for h in handles],
         loc="outside lower center",
         ncols=len(handles),
         fontsize=8,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from server import persist
 
@@ -26,7 +27,7 @@ def _summary(metric: str, num_rounds: int = 7) -> dict:
 
 
 def _drawn(fig):
-    fig.canvas.draw()  # ticks and the legend are laid out only when drawn
+    FigureCanvasAgg(fig).draw()  # ticks and the legend are laid out only when drawn
     ax, ax2 = fig.axes
     legend = fig.legends[0]
     return ax, ax2, [t.get_text() for t in legend.get_texts()]
