@@ -2,7 +2,7 @@
 
 fleetfit partition plan --workload gpt-byte --cluster partition/clusters/unequal-4.toml
 fleetfit partition plan --model llama2-70b --cluster partition/clusters/h100-64.toml
-fleetfit partition simulate --workload gpt-tiny --cluster C.toml --out timeline.png
+fleetfit partition simulate --workload gpt-tiny --cluster C.toml --out runs/tl
 fleetfit partition run --workload gpt-tiny --cluster C.toml --steps 3
 
 With ``--json`` each prints one JSON object on the last line of standard output.
@@ -14,9 +14,13 @@ import argparse
 import json
 import sys
 import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 from fleetfit.args import non_negative_int, positive_int
+
+TIMELINE_FILE = "timeline.png"  # what `partition simulate` writes into its --out folder
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -79,8 +83,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         if name == "simulate":
             q.add_argument(
                 "--out",
-                default="timeline.png",
-                help="PNG to write (default: timeline.png)",
+                default="",
+                help="folder to write timeline.png into, or a .png path (default: "
+                "runs/partition-<timestamp>/)",
             )
         if name == "run":
             q.add_argument(
@@ -188,7 +193,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timeline(plan: Any, prof: Any, cluster: Any, out: str) -> Any:
+def _timeline(plan: Any, prof: Any, cluster: Any, out: str) -> Path:
+    """Write the timeline PNG: ``out`` itself when it ends in ``.png``, else
+    ``timeline.png`` in folder ``out`` (default: ``runs/partition-<timestamp>``)."""
     from partition.evaluate import simulate_plan
     from partition.simulate import timeline_png
 
@@ -196,5 +203,12 @@ def _timeline(plan: Any, prof: Any, cluster: Any, out: str) -> Any:
         raise ValueError(
             "the plan uses one device (no pipeline to draw); see `fleetfit memory plan`"
         )
+    if out.lower().endswith(".png"):
+        path = Path(out)
+    else:
+        folder = Path(out or time.strftime("runs/partition-%Y%m%d-%H%M%S"))
+        path = folder / TIMELINE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     res = simulate_plan(plan, prof, cluster)
-    return timeline_png(res, out, title=f"{plan.schedule_name} on {cluster.name}")
+    timeline_png(res, path, title=f"{plan.schedule_name} on {cluster.name}")
+    return path.resolve()

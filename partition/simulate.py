@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from partition.schedule import Action, Schedule, action_deps, action_key
 
@@ -274,28 +275,64 @@ def _memory(
     return stage_peak, most, rank_peak
 
 
-def timeline_png(result: SimResult, path: str | Path, *, title: str = "") -> Path:
-    """Draw the simulated step as a Gantt chart (one row per rank) into ``path``."""
-    import matplotlib
+_COLOURS = {
+    "F": "#4c72b0",
+    "B": "#dd8452",
+    "I": "#c44e52",
+    "W": "#55a868",
+    "SEND_F": "#8c8c8c",
+    "RECV_F": "#8c8c8c",
+    "SEND_B": "#b0b0b0",
+    "RECV_B": "#b0b0b0",
+}
+ACTION_NAMES = {
+    "F": "forward",
+    "B": "backward (full)",
+    "I": "input-gradient backward",
+    "W": "weight-gradient backward",
+    "SEND_F": "send activations",
+    "RECV_F": "receive activations",
+    "SEND_B": "send gradient",
+    "RECV_B": "receive gradient",
+}
+"""What each action kind of the timeline is (``partition.schedule.STAGE_KINDS``)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+def timeline_figure(result: SimResult, *, title: str = "") -> Any:
+    """The Gantt chart of ``timeline_png`` (a ``matplotlib.figure.Figure``).
+
+    One row per rank, one bar per action, labelled ``{stage}{kind}{microbatch}``
+    where it is wide enough; the legend, right of the plot, names every action kind
+    drawn. Communication actions take time only with a transfer cost and are drawn
+    as thin grey bars.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     ranks = 1 + max((e.rank for e in result.events), default=0)
-    fig, ax = plt.subplots(figsize=(10, 0.6 * ranks + 1.2))
+    stages: list[list[int]] = [[] for _ in range(ranks)]
+    drawn: list[str] = []
+    fig = Figure(figsize=(11, 0.6 * ranks + 1.6), layout="constrained")
+    ax = fig.subplots()
     for e in result.events:
-        if e.kind not in colours:
+        if e.stage not in stages[e.rank]:
+            stages[e.rank].append(e.stage)
+        width = e.end_s - e.start_s
+        if e.kind not in _COLOURS or width <= 0:
             continue
+        if e.kind not in drawn:
+            drawn.append(e.kind)
+        comm = e.kind.startswith(("SEND", "RECV"))
         ax.barh(
             e.rank,
-            e.end_s - e.start_s,
+            width,
             left=e.start_s,
-            color=colours[e.kind],
+            height=0.3 if comm else 0.8,
+            color=_COLOURS[e.kind],
             edgecolor="white",
             linewidth=0.5,
         )
-        if e.end_s - e.start_s > result.step_s / 60:
+        if not comm and width > result.step_s / 60:
             ax.text(
                 (e.start_s + e.end_s) / 2,
                 e.rank,
@@ -306,17 +343,35 @@ def timeline_png(result: SimResult, path: str | Path, *, title: str = "") -> Pat
                 color="white",
             )
     ax.set_yticks(range(ranks))
-    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
+    ax.set_yticklabels(
+        [
+            f"rank {r}" + (f" (stage {', '.join(map(str, sorted(st)))})" if st else "")
+            for r, st in enumerate(stages)
+        ]
+    )
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(
         (title + "  " if title else "")
         + f"step {result.step_s:.3f} s, bubble {result.bubble_share:.1%}"
     )
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=4)
-    fig.tight_layout()
+    order = [k for k in _COLOURS if k in drawn]
+    ax.legend(
+        [Patch(color=_COLOURS[k]) for k in order],
+        [f"{k}  {ACTION_NAMES[k]}" for k in order],
+        title='action (a bar\'s "1F3": stage 1,\naction F, micro-batch 3)',
+        title_fontsize=7,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+    )
+    return fig
+
+
+def timeline_png(result: SimResult, path: str | Path, *, title: str = "") -> Path:
+    """Draw the simulated step as a Gantt chart (one row per rank) into ``path``; see
+    ``timeline_figure``."""
     out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    timeline_figure(result, title=title).savefig(out, dpi=120)
     return out
