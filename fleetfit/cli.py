@@ -101,7 +101,7 @@ def interrupted(signum: int = signal.SIGINT, *_: object) -> NoReturn:
     """
     what = "terminated" if signum == signal.SIGTERM else "interrupted"
     print(f"{what}: stopping what this command started", file=sys.stderr)
-    _stop_ray()
+    _kill_ray()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(128 + signum)
@@ -114,6 +114,22 @@ def stop_on_signals() -> None:
         signal.signal(signum, interrupted)
 
 
+def _kill_ray() -> None:
+    """Kill every process this one started, at once, if it runs Ray.
+
+    Not ``ray.shutdown()``: Flower's threads still call Ray, and Ray's core worker
+    ends this process when they do after a shutdown, possibly before every process
+    it started is gone (Ray's dashboard and runtime-env agents ignore SIGTERM and
+    were left running). Killing them all first leaves no such window.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    # No wait: a killed process runs no more code, and Ray's core worker ends this
+    # process (exit code 1) once it notices its raylet gone.
+    _terminate(_descendants(os.getpid()), grace_s=0.0, signals=(signal.SIGKILL,))
+
+
 def _stop_ray() -> None:
     """Stop a Ray runtime this process started (also after Ctrl-C or an error).
 
@@ -124,8 +140,8 @@ def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return
-    # Flower's threads may still call Ray after the shutdown (a run stopped by a
-    # signal): Ray would then start a new local Ray for them, orphaned at exit.
+    # Flower's threads may still call Ray after the shutdown (a run that failed):
+    # Ray would then start a new local Ray for them, orphaned at exit.
     hook = sys.modules.get("ray._private.auto_init_hook")
     if hook is not None:
         hook.enable_auto_connect = False
@@ -164,8 +180,13 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def _terminate(pids: set[int], grace_s: float = 3.0) -> None:
-    """SIGTERM ``pids``, wait up to ``grace_s`` for them to go, SIGKILL the rest."""
+def _terminate(
+    pids: set[int],
+    grace_s: float = 3.0,
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGKILL),
+) -> None:
+    """Send ``signals[0]`` to ``pids``, wait up to ``grace_s`` for them to go, send
+    the next to the rest, and so on (by default SIGTERM, then SIGKILL)."""
     import time
 
     def alive(pid: int) -> bool:
@@ -175,7 +196,7 @@ def _terminate(pids: set[int], grace_s: float = 3.0) -> None:
         except OSError:
             return False
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         for pid in [p for p in pids if alive(p)]:
             try:
                 os.kill(pid, sig)
