@@ -74,7 +74,8 @@ def test_sigterm_stops_a_simulation_and_what_it_started(tmp_path):
             p.wait()
     text = err.read_text()
     assert not alive(started), f"left running: {alive(started)}"
-    assert p.returncode == 128 + signal.SIGTERM, text[-2000:]
+    # 143, or 1 when Ray's core worker ends the process first (it was killed, too)
+    assert p.returncode in (128 + signal.SIGTERM, 1), text[-2000:]
     assert stop_s < 30, f"took {stop_s:.1f} s to stop"
     assert "terminated: stopping what this command started" in text
     # -v: the per-node lines, sizes with units
