@@ -144,7 +144,7 @@ def _stop_ray() -> None:
     # Ray would then start a new local Ray for them, orphaned at exit.
     hook = sys.modules.get("ray._private.auto_init_hook")
     if hook is not None:
-        hook.enable_auto_connect = False
+        hook.enable_auto_connect = False  # type: ignore[attr-defined]
     started = _descendants(os.getpid())
     try:
         ray.shutdown()
