@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -17,13 +18,28 @@ log = logging.getLogger("fleetfit")
 
 
 def _setup_logging(verbose: bool) -> None:
+    """One handler on stderr for every logger, fleetfit's and its dependencies'.
+
+    fleetfit's own loggers and Flower's speak at INFO (DEBUG with ``-v``), other
+    libraries' at WARNING. Flower's logger is set to DEBUG when Flower is imported and
+    carries a console handler of its own, so its debug lines reached this handler and
+    its warnings printed twice: here it loses its own handler and its level is ours.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    root.setLevel(logging.WARNING)
     for name in ("fleetfit", "server", "client", "simulations", "memory", "partition"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+    # Import Flower's logging module first: importing it later would add its console
+    # handler back and set its level to DEBUG again.
+    import flwr.supercore.logger  # noqa: F401
+
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.handlers[:] = []
+    flwr_log.propagate = True
+    flwr_log.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _commands() -> list[Callable[[argparse._SubParsersAction], None]]:
@@ -66,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         interrupted()
-    except (ValueError, FileNotFoundError, TimeoutError) as e:
+    except (ValueError, FileNotFoundError, TimeoutError, ConnectionError) as e:
         # Bad input and clear failures: one line naming the value and the fix.
         print(f"fleetfit: error: {e}", file=sys.stderr)
         return 2
@@ -74,18 +90,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stop_ray()
 
 
-def interrupted(*_: object) -> NoReturn:
-    """Stop what this command started (Ray) and exit 130, without joining threads.
+def interrupted(signum: int = signal.SIGINT, *_: object) -> NoReturn:
+    """Stop what this command started (Ray) and exit 128 + ``signum`` (130 after
+    Ctrl-C, 143 after SIGTERM), without joining threads.
 
-    Also installed as the SIGINT handler of commands whose main thread may be inside
-    Flower's simulation engine: its worker pool joins threads that wait for replies
-    that will never come, so a KeyboardInterrupt raised there would not end the run.
+    Also installed as the SIGINT and SIGTERM handler of commands whose main thread
+    may be inside Flower's simulation engine: its worker pool and its ServerApp
+    thread wait for replies that will never come, so a KeyboardInterrupt or
+    SystemExit raised there would not end the run.
     """
-    print("interrupted: stopping what this command started", file=sys.stderr)
-    _stop_ray()
+    what = "terminated" if signum == signal.SIGTERM else "interrupted"
+    print(f"{what}: stopping what this command started", file=sys.stderr)
+    _kill_ray()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """Make SIGINT (Ctrl-C) and SIGTERM both stop the command through
+    ``interrupted``: clean up what it started, then exit."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupted)
+
+
+def _kill_ray() -> None:
+    """Kill every process this one started, at once, if it runs Ray.
+
+    Not ``ray.shutdown()``: Flower's threads still call Ray, and Ray's core worker
+    ends this process when they do after a shutdown, possibly before every process
+    it started is gone (Ray's dashboard and runtime-env agents ignore SIGTERM and
+    were left running). Killing them all first leaves no such window.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    # No wait: a killed process runs no more code, and Ray's core worker ends this
+    # process (exit code 1) once it notices its raylet gone.
+    _terminate(_descendants(os.getpid()), grace_s=0.0, signals=(signal.SIGKILL,))
 
 
 def _stop_ray() -> None:
@@ -98,6 +140,11 @@ def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return
+    # Flower's threads may still call Ray after the shutdown (a run that failed):
+    # Ray would then start a new local Ray for them, orphaned at exit.
+    hook = sys.modules.get("ray._private.auto_init_hook")
+    if hook is not None:
+        hook.enable_auto_connect = False  # type: ignore[attr-defined]
     started = _descendants(os.getpid())
     try:
         ray.shutdown()
@@ -133,9 +180,13 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def _terminate(pids: set[int], grace_s: float = 3.0) -> None:
-    """SIGTERM ``pids``, wait up to ``grace_s`` for them to go, SIGKILL the rest."""
-    import signal
+def _terminate(
+    pids: set[int],
+    grace_s: float = 3.0,
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGKILL),
+) -> None:
+    """Send ``signals[0]`` to ``pids``, wait up to ``grace_s`` for them to go, send
+    the next to the rest, and so on (by default SIGTERM, then SIGKILL)."""
     import time
 
     def alive(pid: int) -> bool:
@@ -145,7 +196,7 @@ def _terminate(pids: set[int], grace_s: float = 3.0) -> None:
         except OSError:
             return False
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         for pid in [p for p in pids if alive(p)]:
             try:
                 os.kill(pid, sig)

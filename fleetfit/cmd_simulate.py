@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from typing import Any
 
 from fleetfit.args import non_negative_int, positive_float, positive_int
-from simulations.run import SimulationSettings
+from simulations.run import SimulationSettings, check_ray_address
 from wire.shape import RunShape
 from workloads.splits import SPLITS
 
@@ -168,6 +167,8 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A Ray cluster that is not there fails now, not after minutes of retries.
+    check_ray_address(args.ray_address)
     if args.fleet is not None:
         return run_fleet(args)
     for flag in ("strategy", "compare", "target"):
@@ -191,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
         f"{settings.num_server_rounds} rounds -> {out}",
         file=sys.stderr,
     )
-    from fleetfit.cli import interrupted
+    from fleetfit.cli import stop_on_signals
 
-    signal.signal(signal.SIGINT, interrupted)
+    stop_on_signals()  # Ctrl-C and SIGTERM stop Ray and exit
     summary = simulate(settings)
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
@@ -240,9 +241,9 @@ def run_fleet(args: argparse.Namespace) -> int:
         f"-> {out}",
         file=sys.stderr,
     )
-    from fleetfit.cli import interrupted
+    from fleetfit.cli import stop_on_signals
 
-    signal.signal(signal.SIGINT, interrupted)
+    stop_on_signals()  # Ctrl-C and SIGTERM stop Ray and exit
     engine = {"progress": not args.no_progress, "ray_address": args.ray_address}
     if args.compare is None:
         entry = run_strategy(fleet, names[0], out, **engine)

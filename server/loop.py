@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
+from memory.sizes import format_bytes
 from server import persist, privacy
 from server.aggregate import Update, accept_updates, clip_weights, weighted_average
 from server.assign import Assigner, Assignment
@@ -217,11 +218,11 @@ class Federation:
             eval_runtime = "onnxruntime" if a.kind == "none" and len(arrays) else ""
             config = self._instruction(a, server_round, facts, eval_runtime)
             instructions[node_id] = (arrays, config)
-            log.info(
+            log.debug(
                 "round %d: node %s (budget %s) gets %s, %d steps",
                 server_round,
                 node_id,
-                a.budget_bytes,
+                "not given" if a.budget_bytes is None else format_bytes(a.budget_bytes),
                 a.describe(),
                 a.local_steps,
             )

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from memory.sizes import format_bytes
 from server.config import ExportConfig, ServerConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
@@ -109,8 +110,9 @@ def smallest_model(fleet: Fleet) -> tuple[Workload, int]:
         if need <= smallest:
             return cand, need
     raise ValueError(
-        f"smallest-model: even {wl.base_name}@{SCALES[-1]:g} needs {need} bytes to "
-        f"train plainly, more than the fleet's smallest budget of {smallest} bytes"
+        f"smallest-model: even {wl.base_name}@{SCALES[-1]:g} needs "
+        f"{format_bytes(need)} to train plainly, more than the fleet's smallest "
+        f"budget of {format_bytes(smallest)}"
     )
 
 
@@ -158,7 +160,9 @@ def run_strategy(
     if strategy == "smallest-model":
         shrunk, need = smallest_model(fleet)
         workload = shrunk.name
-        log.info("smallest-model: %s (plain step needs %d bytes)", workload, need)
+        log.info(
+            "smallest-model: %s (plain step needs %s)", workload, format_bytes(need)
+        )
     settings = settings_for(fleet, strategy, out, workload=workload, **engine)
     t0 = time.monotonic()
     summary = simulate(settings)

@@ -26,6 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,8 @@ from wire.shape import RunShape
 log = logging.getLogger(__name__)
 
 _SERVER = ServerConfig()  # the run config's defaults, which a simulation keeps
+RAY_PROBE_TIMEOUT_S = 5.0  # s: how long a Ray head's port may take to accept
+_LOCAL_RAY_FIX = "or leave out --ray-address to run a local Ray"
 
 
 @dataclass(frozen=True)
@@ -146,12 +155,10 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
                 x for x in (allowed, settings.shape.workload) if x
             )
     Path(settings.out).mkdir(parents=True, exist_ok=True)
-    init_args: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-    if settings.ray_address:
-        init_args["address"] = settings.ray_address
+    start_ray(settings.ray_address, settings.cpus_per_client)
     backend_config = {
         "client_resources": {"num_cpus": settings.cpus_per_client, "num_gpus": 0.0},
-        "init_args": init_args,
+        "init_args": {},  # Ray is started above; Flower's engine joins it
     }
     bar = (
         RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.num_server_rounds)
@@ -159,12 +166,13 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
         else None
     )
     try:
-        run_simulation(
-            server_app=make_app(cfg.to_run_config()),
-            client_app=client_app,
-            num_supernodes=settings.num_clients,
-            backend_config=backend_config,  # type: ignore[arg-type]
-        )
+        with _quiet_deprecated_entry_point():
+            run_simulation(
+                server_app=make_app(cfg.to_run_config()),
+                client_app=client_app,
+                num_supernodes=settings.num_clients,
+                backend_config=backend_config,  # type: ignore[arg-type]
+            )
     finally:
         if bar is not None:
             bar.close()
@@ -183,3 +191,156 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
             f"{settings.num_server_rounds} rounds: see the log above"
         )
     return summary
+
+
+def ray_address_to_probe(address: str) -> tuple[str, str, int] | None:
+    """Where a Ray address points: ``(as given, host, port)``, or ``None`` for a
+    local Ray.
+
+    ``""`` means a local Ray unless ``RAY_ADDRESS`` is set (``ray.init`` reads it
+    then); ``"auto"`` means the cluster ``ray start`` left on this machine.
+
+    Raises:
+        ValueError: not ``HOST:PORT``.
+        ConnectionError: ``auto`` and no Ray cluster runs on this machine.
+    """
+    shown = address
+    if not address and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+        shown = f"{address} (from RAY_ADDRESS)"
+    if address in ("", "local"):
+        return None
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        try:
+            address = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise ConnectionError(
+                "Ray address auto: no running Ray cluster found on this machine (no "
+                "`ray start --head`, RAY_ADDRESS unset): start one with "
+                f"`ray start --head`, {_LOCAL_RAY_FIX}"
+            ) from None
+        shown = f"auto ({address})"
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"Ray address {shown!r} is not HOST:PORT: give a Ray head's address such "
+            f"as 10.0.0.5:6379, or auto, {_LOCAL_RAY_FIX}"
+        )
+    return shown, host.strip("[]"), int(port)
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Fail within ``timeout_s`` when nothing listens at a Ray cluster's address.
+
+    Given an address where nothing listens, ``ray.init`` retries for minutes (and
+    reports the host's own IP for a loopback address); this fails at once instead,
+    naming the address and the fix.
+
+    Raises:
+        ValueError: the address is not ``HOST:PORT``, ``auto`` or empty.
+        ConnectionError: nothing accepts a connection there.
+    """
+    where = ray_address_to_probe(address)
+    if where is None:
+        return
+    shown, host, port = where
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        if isinstance(e, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(e, TimeoutError):
+            why = f"no answer in {timeout_s:g} s"
+        elif isinstance(e, socket.gaierror):
+            why = f"unknown host {host!r}"
+        else:
+            why = e.strerror or type(e).__name__
+        raise ConnectionError(
+            f"Ray address {shown}: no Ray head listens there ({why}): start one "
+            f"there with `ray start --head --port={port}`, {_LOCAL_RAY_FIX}"
+        ) from None
+
+
+def start_ray(address: str, cpus_per_client: float) -> None:
+    """Start a local Ray, or join the cluster at ``address``, as Flower's engine would;
+    fail at once, naming the address and the fix, when there is no cluster there or
+    it has too few CPUs for one client actor.
+
+    Joining a running Ray (an earlier simulation of this process) is a no-op.
+
+    Raises:
+        ValueError: a malformed address.
+        ConnectionError: no cluster at the address, or one without enough CPUs.
+    """
+    check_ray_address(address)
+    import ray
+
+    if ray.is_initialized():
+        return
+    # As Flower's RayBackend: the workers import this process's modules.
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    # ray.init replaces the SIGTERM handler with one raising SystemExit, which cannot
+    # end a simulation (Flower's ServerApp thread is not a daemon and keeps the
+    # process alive): the caller's handler is put back.
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        with warnings.catch_warnings():
+            # Ray's tip about a future default for num_gpus=0; fleetfit's client
+            # actors ask for no GPU either way.
+            warnings.filterwarnings(
+                "ignore",
+                message="Tip: In future versions of Ray",
+                category=FutureWarning,
+            )
+            ray.init(
+                address=address or None,
+                include_dashboard=False,
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+            )
+    except ConnectionError as e:  # something listens there, but no Ray head answers
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConnectionError(
+            f"Ray address {address}: {first}: check the head's address and port "
+            f"(`ray status` on the head prints them), {_LOCAL_RAY_FIX}"
+        ) from None
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if cpus < cpus_per_client:
+        ray.shutdown()
+        where = f"at {address}" if address else "started here"
+        raise ConnectionError(
+            f"the Ray cluster {where} has {cpus:g} CPU(s), fewer than the "
+            f"{cpus_per_client:g} one client actor needs: add a worker "
+            "(`ray start --address=HEAD:PORT`), or lower cpus_per_client"
+        )
+    log.debug("Ray: %g CPU(s) at %s", cpus, address or "a local Ray")
+
+
+@contextmanager
+def _quiet_deprecated_entry_point() -> Iterator[None]:
+    """Drop Flower's log record that ``run_simulation`` is deprecated, and only that.
+
+    fleetfit calls the deprecated entry point on purpose (docs/simulations.md says
+    what moving off it changes); the warning is for fleetfit's maintainers, not for
+    the user who runs a simulation.
+    """
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "`run_simulation` function is deprecated" not in record.getMessage()
+
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.addFilter(keep)
+    try:
+        yield
+    finally:
+        flwr_log.removeFilter(keep)

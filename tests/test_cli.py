@@ -1,5 +1,6 @@
 """The fleetfit command: bad input fails before any work, naming the value."""
 
+import logging
 import subprocess
 import sys
 import tomllib
@@ -166,3 +167,47 @@ def test_simulate_fleet_takes_only_the_flags_given(monkeypatch):
     assert code == 2
     given = {k: v for k, v in seen.items() if v is not None}
     assert given == {"lr": 0.01, "seq_len": 32}
+
+
+@pytest.fixture
+def restore_logging():
+    """Put back what ``_setup_logging`` changes in this process's loggers."""
+    names = ["", "flwr", "fleetfit", "server", "client", "simulations", "memory"]
+    saved = {
+        n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level) for n in names
+    }
+    propagate = logging.getLogger("flwr").propagate
+    yield
+    for n, (handlers, level) in saved.items():
+        logging.getLogger(n).handlers[:] = handlers
+        logging.getLogger(n).setLevel(level)
+    logging.getLogger("flwr").propagate = propagate
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_flower_logs_once_and_debug_only_with_v(verbose, capsys, restore_logging):
+    from fleetfit.cli import _setup_logging
+
+    _setup_logging(verbose)
+    flwr, loop = logging.getLogger("flwr"), logging.getLogger("server.loop")
+    flwr.debug("flower debug")
+    flwr.warning("flower warning")
+    loop.debug("round 1: node 7 (budget 1.00 GiB) gets full")
+    loop.info("round 1: accuracy")
+    err = capsys.readouterr().err
+    assert err.count("flower warning") == 1, err  # not Flower's handler and ours
+    assert "round 1: accuracy" in err
+    assert ("flower debug" in err) == verbose
+    assert ("gets full" in err) == verbose
+
+
+def test_only_flowers_run_simulation_deprecation_is_dropped(caplog):
+    from flwr.supercore.logger import warn_deprecated_feature
+
+    from simulations.run import _quiet_deprecated_entry_point
+
+    with caplog.at_level(logging.WARNING), _quiet_deprecated_entry_point():
+        warn_deprecated_feature("The `run_simulation` function is deprecated and ...")
+        warn_deprecated_feature("Another feature")
+    assert "run_simulation" not in caplog.text
+    assert "Another feature" in caplog.text

@@ -1,0 +1,100 @@
+"""``fleetfit simulate`` as a user runs it: SIGTERM stops it as Ctrl-C does, and its
+stderr carries fleetfit's story, not its dependencies' debug lines and warnings."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetfit.cli import _descendants
+
+pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--workload", "digits-mlp", "--clients", "2", "--no-progress"]
+# A per-node line, sizes with units: "node 119... (budget 10.84 GiB) gets full"
+NODE_LINE = re.compile(
+    r"DEBUG server\.loop: round 1: node \d+ \(budget \d+\.\d\d [KMG]iB\)"
+)
+
+
+def fleetfit(args: list[str], stderr_path: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FLWR_TELEMETRY_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    with stderr_path.open("wb") as err:  # a file: a full pipe would stall the run
+        return subprocess.Popen(
+            [sys.executable, "-m", "fleetfit.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def alive(pids: set[int]) -> set[int]:
+    left = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left.add(pid)
+    return left
+
+
+def test_sigterm_stops_a_simulation_and_what_it_started(tmp_path):
+    out, err = tmp_path / "run", tmp_path / "stderr.txt"
+    p = fleetfit(["-v", "simulate", *SMALL, "--rounds", "20", "--out", str(out)], err)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "summary.json").exists():  # round 1 done: Ray is up
+            assert p.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, "no round finished in 180 s"
+            time.sleep(0.2)
+        started = _descendants(p.pid)
+        assert started, "Ray's processes should be running mid-run"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop_s = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = err.read_text()
+    assert not alive(started), f"left running: {alive(started)}"
+    # 143, or 1 when Ray's core worker ends the process first (it was killed, too)
+    assert p.returncode in (128 + signal.SIGTERM, 1), text[-2000:]
+    assert stop_s < 30, f"took {stop_s:.1f} s to stop"
+    assert "terminated: stopping what this command started" in text
+    # -v: the per-node lines, sizes with units
+    assert NODE_LINE.search(text), text[-3000:]
+
+
+def test_simulate_without_v_prints_no_dependency_noise(tmp_path):
+    out, err = tmp_path / "run", tmp_path / "stderr.txt"
+    p = fleetfit(["simulate", *SMALL, "--rounds", "1", "--out", str(out)], err)
+    try:
+        p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = err.read_text()
+    assert p.returncode == 0, text[-3000:]
+    assert "INFO server.loop: round 1: accuracy" in text  # the round's summary stays
+    assert "DEBUG" not in text, text  # Flower's debug lines, the per-node lines
+    assert "deprecated" not in text.lower(), text  # Flower's run_simulation warning
+    assert "FutureWarning" not in text, text  # Ray's tip about num_gpus=0
+    assert not re.search(r"budget \d{6,}", text), text  # sizes carry units
