@@ -22,21 +22,25 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import psutil
 
-from fleetfit.cli import _descendants  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def descendants(root: int) -> set[int]:
+    """Every process below ``root`` (empty when it is gone)."""
+    try:
+        return {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def rss_bytes(pid: int) -> int:
+    """The resident set size of ``pid`` now (``VmRSS``), bytes; 0 when it is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return 0
 
 
 def machine() -> str:
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     peak_total = peak_single = 0
     most = 0
     while proc.poll() is None:
-        pids = {proc.pid} | _descendants(proc.pid)
+        pids = {proc.pid} | descendants(proc.pid)
         sizes = [rss_bytes(p) for p in pids]
         peak_total = max(peak_total, sum(sizes))
         peak_single = max(peak_single, max(sizes, default=0))

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from memory.sizes import format_bytes, parse_bytes
 from wire.facts import fleet_entry
 from wire.keys import FLEET_DISK, FLEET_MEMORY, FLEET_SPEEDS
@@ -270,22 +272,14 @@ def check_workload_allowed(name: Any, node_config: Mapping[str, Any]) -> None:
     )
 
 
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/meminfo has no {key}")
-
-
 def total_memory_bytes() -> int:
-    """Physical memory of this device, bytes."""
-    return _meminfo("MemTotal")
+    """Physical memory of this device (``MemTotal``), bytes."""
+    return int(psutil.virtual_memory().total)
 
 
 def available_memory_bytes() -> int:
     """Memory available for new work now (``MemAvailable``), bytes."""
-    return _meminfo("MemAvailable")
+    return int(psutil.virtual_memory().available)
 
 
 def offload_dir_problem(directory: str) -> str | None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 
+import psutil
+
 from memory.errors import MeasurementError
 
 MALLOC_MMAP_THRESHOLD = 65536
@@ -86,9 +88,20 @@ def _status_bytes(key: str) -> int:
     raise MeasurementError(f"/proc/self/status has no {key}: not a Linux process?")
 
 
+_process: psutil.Process | None = None
+
+
+def _this_process() -> psutil.Process:
+    # Kept between calls (the memory guard samples every few ms), renewed after a fork.
+    global _process
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process
+
+
 def rss_bytes() -> int:
     """This process's resident set size now (``VmRSS``), bytes."""
-    return _status_bytes("VmRSS")
+    return int(_this_process().memory_info().rss)
 
 
 def peak_rss_bytes() -> int:
@@ -208,6 +221,7 @@ def status(key):
                 return int(line.split()[1]) * 1024
 try:
     import torch
+    import psutil  # memory.measure's: a target importing it counts it in the baseline
     from memory.overhead import preload_runtime
     preload_runtime()  # what the first training step would import lazily
     for name in preload:  # the user's libraries count in the baseline, as torch does
