@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from fleetfit.args import non_negative_int, positive_int
+from fleetfit.args import non_negative_int, output_dir, output_file, positive_int
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +119,10 @@ def _profile(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from partition.cluster import load_cluster
 
+    if args.partition_command == "simulate":
+        output_file("--out", args.out, "timeline.png")
+    elif args.partition_command == "run" and args.out:
+        output_dir("--out", args.out)
     cluster = load_cluster(args.cluster)
     if getattr(args, "model", None):
         from partition.gpu import plan_layout
