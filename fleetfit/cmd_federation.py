@@ -252,7 +252,7 @@ def _check_tls(files: dict[str, str | None]) -> bool:
             ssl.create_default_context().load_verify_locations(cafile=f)
         except ssl.SSLError as e:
             raise ValueError(
-                f"{flag} {f!r} holds no PEM certificate ({e.reason}); give {kind} "
+                f"{flag} {f!r} holds no PEM certificate ({e.reason or e}); give {kind} "
                 "(a file that starts with -----BEGIN CERTIFICATE-----)"
             ) from None
     cert, key = given.get("--ssl-certfile"), given.get("--ssl-keyfile")
@@ -264,7 +264,7 @@ def _check_tls(files: dict[str, str | None]) -> bool:
         except ssl.SSLError as e:
             raise ValueError(
                 f"--ssl-keyfile {key!r} is not the unencrypted PEM private key of "
-                f"--ssl-certfile {cert!r} ({e.reason}); give the key the certificate "
+                f"--ssl-certfile {cert!r} ({e.reason or e}); give the key the certificate "
                 "was made for"
             ) from None
     return bool(given)
