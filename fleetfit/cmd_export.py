@@ -18,6 +18,8 @@ from math import nan
 from pathlib import Path
 from typing import Any
 
+from fleetfit.args import output_file
+
 
 def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -49,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".onnx":
         raise ValueError(f"--out {out} must name a .onnx file")
+    output_file("--out", out, "model.onnx")
+    if args.report:
+        output_file("--report", args.report, "model.export.json")
     report_path = args.report or out.with_name(out.stem + ".export.json")
     model, workload = load_checkpoint(args.checkpoint)
     report = export_model(

@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 from fleetfit import proxy
-from fleetfit.args import positive_float, positive_int
+from fleetfit.args import input_file, output_dir, port, positive_float, positive_int
 from server.config import ServerConfig
 from server.loop import no_update_reason
 
@@ -69,7 +69,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="the SuperLink's address: loopback only (its Control API starts runs)",
     )
     s.add_argument(
-        "--port", type=positive_int, default=9091, help="the SuperLink's port"
+        "--port", type=port, default=9091, help="the SuperLink's port (1..65535)"
     )
     s.add_argument(
         "--public",
@@ -228,14 +228,72 @@ def wait_healthy(
     raise TimeoutError(f"the SuperLink on {host}:{port} was not up in {timeout_s} s")
 
 
-def _check_tls(files: list[str | None], names: str) -> bool:
-    given = [f for f in files if f]
+def _check_tls(files: dict[str, str | None]) -> bool:
+    """Whether TLS is asked for: all of ``files`` (flag -> path) or none. Each is
+    read and parsed here (certificates as PEM certificates, a key as the private key
+    of the certificate), so a bad file fails before any process starts, naming its
+    flag, rather than in the SuperLink, the SuperNode or the health check.
+
+    Raises:
+        ValueError: some but not all given; a file missing, unreadable or not PEM.
+    """
+    given = {flag: f for flag, f in files.items() if f}
     if given and len(given) != len(files):
-        raise ValueError(f"TLS needs all of {names}, or none of them")
-    for f in given:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"TLS file {f} does not exist")
+        missing = ", ".join(flag for flag in files if flag not in given)
+        raise ValueError(
+            f"TLS needs all of {', '.join(files)}, or none of them; give {missing}"
+        )
+    for flag, f in given.items():
+        kind = "a PEM private key" if flag == "--ssl-keyfile" else "a PEM certificate"
+        input_file(flag, f, kind)
+        if flag == "--ssl-keyfile":
+            continue
+        try:
+            ssl.create_default_context().load_verify_locations(cafile=f)
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"{flag} {f!r} holds no PEM certificate ({e.reason or e}); give {kind} "
+                "(a file that starts with -----BEGIN CERTIFICATE-----)"
+            ) from None
+    cert, key = given.get("--ssl-certfile"), given.get("--ssl-keyfile")
+    if cert and key:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                cert, key, password=lambda: b""
+            )
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"--ssl-keyfile {key!r} is not the unencrypted PEM private key of "
+                f"--ssl-certfile {cert!r} ({e.reason or e}); give the key the certificate "
+                "was made for"
+            ) from None
     return bool(given)
+
+
+def _check_ssh_key(flag: str, path: str, private: bool) -> None:
+    """An OpenSSH EC key file as Flower reads it (SuperNode authentication)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import (
+        load_ssh_private_key,
+        load_ssh_public_key,
+    )
+
+    kind = f"an OpenSSH EC {'private' if private else 'public'} key"
+    data = input_file(flag, path, kind)
+    try:
+        key = load_ssh_private_key(data, None) if private else load_ssh_public_key(data)
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise ValueError(
+            f"{flag} {path!r} is not {kind} ({e}); make one with "
+            "ssh-keygen -t ecdsa -b 384 -N '' -f KEY (KEY.pub is the public one)"
+        ) from None
+    wanted = ec.EllipticCurvePrivateKey if private else ec.EllipticCurvePublicKey
+    if not isinstance(key, wanted):
+        raise ValueError(
+            f"{flag} {path!r} is not {kind} but {type(key).__name__}; make one with "
+            "ssh-keygen -t ecdsa -b 384 -N '' -f KEY (KEY.pub is the public one)"
+        )
 
 
 def _exit_on_sigterm() -> None:
@@ -319,8 +377,29 @@ def check_run_config(run_config: str) -> ServerConfig:
             '--run-config "lr=0.01 min-replies=2"'
         ) from None
     cfg = ServerConfig.from_run_config(parsed)
+    app_keys = app_run_config_keys()
+    foreign = [k for k in parsed if k not in app_keys]
+    if foreign:
+        # `flwr run` takes only the keys of the app's pyproject.toml and refuses any
+        # other with a bare "Invalid run configuration", after the SuperLink started.
+        raise ValueError(
+            f"--run-config key(s) {', '.join(foreign)}: the Flower app's "
+            f"{APP_DIR / 'pyproject.toml'} [tool.flwr.app.config] does not declare "
+            "them, so `flwr run` would refuse the run; drop them; "
+            f"fleetfit server takes: {', '.join(app_keys)}"
+        )
     cfg.load_workload()
     return cfg
+
+
+def app_run_config_keys() -> list[str]:
+    """The run-config keys the Flower app declares (its pyproject.toml), in order:
+    the only ones ``flwr run --run-config`` accepts."""
+    import tomllib
+
+    with open(APP_DIR / "pyproject.toml", "rb") as f:
+        app = tomllib.load(f)
+    return list(app["tool"]["flwr"]["app"]["config"])
 
 
 def check_exposure(args: argparse.Namespace, tls: bool) -> tuple[str, int] | None:
@@ -362,9 +441,14 @@ def check_exposure(args: argparse.Namespace, tls: bool) -> tuple[str, int] | Non
 def run_server(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     tls = _check_tls(
-        [args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile],
-        "--ssl-certfile, --ssl-keyfile and --ssl-ca-certfile",
+        {
+            "--ssl-certfile": args.ssl_certfile,
+            "--ssl-keyfile": args.ssl_keyfile,
+            "--ssl-ca-certfile": args.ssl_ca_certfile,
+        }
     )
+    for key in args.register:
+        _check_ssh_key("--register", key, private=False)
     if args.enable_supernode_auth and not tls:
         raise ValueError("--enable-supernode-auth needs TLS: give the --ssl-* files")
     public = check_exposure(args, tls)
@@ -376,6 +460,7 @@ def run_server(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     run_config = server_run_config(args, out)
     num_rounds = check_run_config(run_config).num_server_rounds
+    output_dir("--out", args.out)
     if not tls:
         log.warning(
             "running WITHOUT TLS: messages travel in the clear; keep the SuperNodes "
@@ -386,7 +471,6 @@ def run_server(args: argparse.Namespace) -> int:
             "--public without --enable-supernode-auth: any device that holds the CA "
             "certificate can join as a SuperNode and receive the model"
         )
-    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
     link_home, cli_home = work / "link", work / "cli"
     link_home.mkdir()
@@ -524,6 +608,28 @@ def run_failure(out: Path, num_rounds: int, returncode: int) -> str:
 
 
 # ------------------------------------------------------------------- client
+def _warn_small_budget(text: str, budget: int) -> None:
+    """Warn when ``--memory-budget`` cannot train anything: plans are made for the
+    budget minus the runtime reserve (run config ``runtime-reserve``, default
+    ``wire.shape.RUNTIME_RESERVE``), so a budget at or below the default reserve
+    leaves nothing for training. Only a warning: the server's run config may set a
+    smaller reserve."""
+    from memory.sizes import format_bytes, parse_bytes
+    from wire.shape import RUNTIME_RESERVE
+
+    reserve = parse_bytes(RUNTIME_RESERVE)
+    if budget <= reserve:
+        log.warning(
+            "--memory-budget %s (%s) is not above the default runtime reserve %s "
+            "(run config runtime-reserve) that plans keep out of a budget: this node "
+            "can train nothing under the default and will reply with an error each "
+            "round; give more, e.g. --memory-budget 512MB",
+            text,
+            format_bytes(budget),
+            format_bytes(reserve),
+        )
+
+
 def run_client(args: argparse.Namespace) -> int:
     from memory.sizes import parse_bytes
 
@@ -537,19 +643,31 @@ def run_client(args: argparse.Namespace) -> int:
             f"--partition-id {args.partition_id} must be in 0..{args.num_partitions - 1}"
         )
     if args.memory_budget is not None:
-        parse_bytes(args.memory_budget, what="--memory-budget")
+        budget = parse_bytes(args.memory_budget, what="--memory-budget")
+        _warn_small_budget(args.memory_budget, budget)
         node.append(f"memory-budget={_toml_str(args.memory_budget)}")
     if args.disk_budget is not None:
         parse_bytes(args.disk_budget, what="--disk-budget", allow_zero=True)
         node.append(f"disk-budget={_toml_str(args.disk_budget)}")
     if args.offload_dir:
+        from client.config import offload_dir_problem
+
+        problem = offload_dir_problem(args.offload_dir)
+        if problem is not None:
+            raise ValueError(
+                f"--offload-dir {args.offload_dir!r} cannot hold files ({problem}); "
+                "give a folder you can write (made if missing), or leave "
+                f"--offload-dir out to use {tempfile.gettempdir()}"
+            )
         node.append(f"offload-dir={_toml_str(args.offload_dir)}")
     if args.allow_workloads is not None:
         from client.config import ALLOW_WORKLOADS, allowed_workloads
 
         allowed_workloads({ALLOW_WORKLOADS: args.allow_workloads})  # fails early
         node.append(f"{ALLOW_WORKLOADS}={_toml_str(args.allow_workloads)}")
-    tls = _check_tls([args.root_certificates], "--root-certificates")
+    tls = _check_tls({"--root-certificates": args.root_certificates})
+    if args.auth_private_key:
+        _check_ssh_key("--auth-private-key", args.auth_private_key, private=True)
     if not tls:
         log.warning(
             "running WITHOUT TLS: connect only over loopback or a trusted network, "

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetfit.args import non_negative_int, positive_int
+from fleetfit.args import non_negative_int, output_dir, output_file, positive_int
 
 TIMELINE_FILE = "timeline.png"  # what `partition simulate` writes into its --out folder
 
@@ -124,6 +124,10 @@ def _profile(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from partition.cluster import load_cluster
 
+    if args.partition_command == "simulate":
+        output_file("--out", args.out, "timeline.png")
+    elif args.partition_command == "run" and args.out:
+        output_dir("--out", args.out)
     cluster = load_cluster(args.cluster)
     if getattr(args, "model", None):
         from partition.gpu import plan_layout
