@@ -140,6 +140,7 @@ def test_the_apps_run_config_defaults_are_server_configs():
     listed = app["config"]
     defaults = ServerConfig().to_run_config()
     assert {k: defaults[k] for k in listed} == listed
+    assert set(listed) == set(defaults)  # every key usable through `flwr run`
 
 
 def test_simulate_flags_default_to_the_run_config():

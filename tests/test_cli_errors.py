@@ -113,17 +113,29 @@ def test_server_register_not_a_key(tmp_path, capsys, no_start):
     )
 
 
-@pytest.mark.parametrize(
-    "run_config, key",
-    [
-        ("dp-noise-multiplier=0.1 dp-clipping-norm=1.0", "dp-noise-multiplier"),
-        ("eval-windows=2", "eval-windows"),
-        ("bogus-key=1", "bogus-key"),
-    ],
-)
-def test_server_run_config_key_is_named(tmp_path, capsys, no_start, run_config, key):
-    line = refused(capsys, server(tmp_path, "--run-config", run_config), key)
+def test_server_run_config_key_is_named(tmp_path, capsys, no_start):
+    line = refused(capsys, server(tmp_path, "--run-config", "bogus-key=1"), "bogus-key")
     assert "min-replies" in line and "num-server-rounds" in line, line  # valid keys
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_key_the_app_does_not_declare_is_named(
+    tmp_path, capsys, no_start, monkeypatch
+):
+    """Every ServerConfig key is declared in pyproject.toml (tests/test_cli.py); a
+    user's edited app that drops one is refused before anything starts, not with
+    Flower's bare "Invalid run configuration" after the SuperLink started."""
+    from fleetfit import cmd_federation
+
+    declared = cmd_federation.app_run_config_keys()
+    monkeypatch.setattr(
+        cmd_federation,
+        "app_run_config_keys",
+        lambda: [k for k in declared if k != "eval-windows"],
+    )
+    args = server(tmp_path, "--run-config", "eval-windows=2")
+    line = refused(capsys, args, "eval-windows")
+    assert "does not declare" in line, line
     assert not (tmp_path / "run").exists()
 
 
