@@ -5,7 +5,7 @@ deadline and a node that returns garbage (NaN) take part in every round.
 What must hold afterwards: every round completes, in order, with no gap or duplicate;
 the healthy node's update is the only one accepted each round (a late reply never
 counts in a later round); the hanging node is recorded as ``no reply`` and the garbage
-as ``rejected``; the saved global model is finite, loadable, equal to the resume
+as ``malformed`` (its loss is NaN) or ``rejected`` (its arrays are); the saved global model is finite, loadable, equal to the resume
 state's model, and trained. The faulty nodes run ``tests/reliability/faulty.py``,
 which the SuperNodes must allow (``--allow-workloads``).
 """
@@ -105,8 +105,11 @@ def test_a_hanging_and_a_garbage_node_do_not_stop_the_rounds(tmp_path):
         status = {a["partition_id"]: a["status"] for a in r["assignments"]}
         assert status[0] == "ok", r
         assert status[1] == "no reply", r
-        assert status[2].startswith("rejected") and "NaN or Inf" in status[2], r
-        assert r["num_clients"] == 1 and r["num_rejected"] == 1, r
+        # its loss is NaN too: refused when read (wire.reply), before its arrays
+        # would be rejected for NaN (server.aggregate); either way it never counts
+        assert status[2].startswith(("malformed", "rejected")), r
+        assert "nan" in status[2].lower(), r
+        assert r["num_clients"] == 1, r
     model, meta = load_model(out / "model.safetensors")
     assert meta["round"] == str(ROUNDS)
     assert all(bool(torch.isfinite(v).all()) for v in model.values())
