@@ -92,11 +92,12 @@ def output_dir(flag: str, path: str | Path) -> Path:
 
 
 def output_file(flag: str, path: str | Path, example: str) -> Path:
-    """File ``path`` to be written: not a folder, in a folder that exists and can be
-    written (``example``: a file name for the fix, e.g. ``"model.safetensors"``).
+    """File ``path`` to be written: not a folder, in a folder that can be written,
+    made if missing (``example``: a file name for the fix, e.g.
+    ``"model.safetensors"``).
 
     Raises:
-        ValueError: it is a folder, or its folder is missing or not writable.
+        ValueError: it is a folder, or its folder cannot be made or written.
     """
     file = Path(path).expanduser()
     if file.is_dir():
@@ -104,11 +105,13 @@ def output_file(flag: str, path: str | Path, example: str) -> Path:
             f"{flag} {str(path)!r} is a folder; give a file path, e.g. {file / example}"
         )
     folder = file.parent
-    if not folder.is_dir():
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
         raise ValueError(
-            f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist; create it "
-            "or give a path in an existing folder"
-        )
+            f"{flag} {str(path)!r}: folder {str(folder)!r} cannot be made "
+            f"({e.strerror or e}); give a path in a folder you can write"
+        ) from None
     problem = _write_problem(folder)
     if problem is not None:
         raise ValueError(
