@@ -261,12 +261,8 @@ class Federation:
             self.model.load_state_dict(new_state)
         elif changed:
             weighted = clip_weights(accepted, cfg.weight_clip)
-            for u, w in zip(accepted, weighted):
-                if w.num_examples < u.num_examples:
-                    reports[u.node_id]["status"] = (
-                        f"ok: weight clipped to {w.num_examples} examples "
-                        f"(weight-clip={cfg.weight_clip:g} x the round's median)"
-                    )
+            for w in weighted:  # what each update weighed (weight-clip)
+                reports[w.node_id]["counted_examples"] = w.num_examples
             self.model.load_state_dict(weighted_average(weighted, reference))
         elif sampled:
             msg = (
@@ -362,6 +358,9 @@ class Federation:
             "message_bytes": report.get("message_bytes"),
             "train_s": report.get("train_s"),
             "num_examples": report.get("num_examples"),
+            # the weight it got in the average: num_examples capped at max-examples,
+            # then clipped to weight-clip x the round's median (None: not averaged)
+            "counted_examples": report.get("counted_examples"),
             "status": report.get("status", "ok"),
         }
 
@@ -417,12 +416,7 @@ class Federation:
             if pid is None:
                 pid = self.nodes.get(node_id, NodeFacts()).partition_id
             num, loss = got.num_examples or 0, got.train_loss
-            if num > cfg.max_examples:
-                rec["status"] = (
-                    f"ok: claimed {num} examples, counted as max-examples="
-                    f"{cfg.max_examples}"
-                )
-                num = cfg.max_examples
+            num = min(num, cfg.max_examples)  # the claim stays in num_examples
             expected = self._expected_keys(a)
             updates.append(
                 Update(-1 if pid is None else pid, node_id, num, state, expected)
