@@ -10,7 +10,7 @@ families (``workloads.node_data.partition_dataset``), so nodes hold different co
 windows of ``SEQ`` bytes as token ids, DataLoaders of dict batches. Nothing is
 downloaded. Needs ``pip install 'fleetfit[hf]'`` (transformers, flwr-datasets).
 
-    fleetfit memory plan --workload examples.transformers_gpt2:build --budget 160MB
+    fleetfit memory plan --workload examples.transformers_gpt2:build --memory-budget 160MB
     fleetfit simulate --workload examples.transformers_gpt2:build --clients 3 \
         --rounds 3 --local-steps 4 --memory-budgets 1GB,113MiB,105MiB \
         --disk-budgets 1GB,0,0

@@ -1,51 +1,22 @@
-"""Argument types shared by the ``fleetfit`` commands: each names the bad value."""
+"""Checks of the ``fleetfit`` commands' values: each names the bad value and the fix.
+
+The options themselves, with their types and defaults, are in ``fleetfit.options``."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
 def positive_float(text: str) -> float:
+    """A finite number above zero (``ValueError`` naming the value otherwise)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise ValueError(f"{text!r} is not a number") from None
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
-    return value
-
-
-def port(text: str) -> int:
-    """A TCP port, 1..65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1..65535")
+        raise ValueError(f"{value:g} must be a positive number")
     return value
 
 

@@ -1,20 +1,33 @@
-"""The ``fleetfit`` command.
+"""The ``fleetfit`` command: a typer application, as Flower's own ``flwr``.
 
 fleetfit simulate                         # digits CNN, 10 virtual clients, 5 rounds
 fleetfit simulate --workload gpt-tiny --clients 4 --rounds 3 --out runs/lm
+fleetfit --version
+fleetfit --install-completion             # shell completion (bash, zsh, fish)
+
+Every command's options are typed and checked while the line is parsed. Bad input,
+there or later (a ``ValueError`` and the like from the command), ends the command with
+one line on standard error, ``fleetfit <command>: error: ...``, and exit code 2;
+Ctrl-C and SIGTERM stop what the command started (Ray) and exit 130 / 143.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Annotated, Any, NoReturn
+
+import click
+import typer
+from typer.core import TyperGroup
 
 log = logging.getLogger("fleetfit")
+
+# Failures a command reports in one line (bad input, clear failures), exit code 2.
+USER_ERRORS = (ValueError, FileNotFoundError, TimeoutError, ConnectionError)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -42,8 +55,117 @@ def _setup_logging(verbose: bool) -> None:
     flwr_log.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def _commands() -> list[Callable[[argparse._SubParsersAction], None]]:
-    # One module per command group, each with ``add(subparsers)``.
+class Failure(click.ClickException):
+    """A command's failure on bad input, printed as one line (exit code 2)."""
+
+    exit_code = 2
+    command = ""  # the failed command's path, e.g. "fleetfit memory plan"
+
+
+class FleetfitGroup(TyperGroup):
+    """typer's group, with fleetfit's ends: one-line errors, no traceback, Ray
+    stopped whatever happens. Used by ``main`` and by typer's test runner alike."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
+        except USER_ERRORS as e:
+            failure = Failure(str(e))
+            # the command that failed, for the message: this group's subcommand (a
+            # group's own subgroups are FleetfitGroups too, so the innermost says it)
+            failure.command = f"{ctx.command_path} {ctx.invoked_subcommand or ''}"
+            raise failure from None
+        finally:
+            _stop_ray()
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            rv = super().main(
+                args=args,
+                prog_name=prog_name or "fleetfit",
+                complete_var=complete_var,
+                standalone_mode=False,
+                **extra,
+            )
+            code = rv if isinstance(rv, int) else 0
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)  # a UsageError's
+            command = getattr(e, "command", "") or (
+                ctx.command_path if ctx is not None else "fleetfit"
+            )
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            message = " ".join(e.format_message().split())  # one line
+            if message:  # empty: a group's help, shown for no arguments
+                print(f"{command}: error: {message}{hint}", file=sys.stderr)
+            code = e.exit_code
+        except click.Abort:
+            print("fleetfit: aborted", file=sys.stderr)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _version(value: bool) -> None:
+    if value:
+        import importlib.metadata as md
+
+        def of(dist: str) -> str:
+            try:
+                return md.version(dist)
+            except md.PackageNotFoundError:
+                return "not installed"
+
+        from fleetfit import __version__
+
+        typer.echo(
+            f"fleetfit {__version__} (flwr {of('flwr')}, torch {of('torch')}, "
+            f"Python {sys.version.split()[0]})"
+        )
+        raise typer.Exit()
+
+
+app = typer.Typer(
+    cls=FleetfitGroup,
+    name="fleetfit",
+    help="Train models on devices that do not have the memory to train them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    verbose: Annotated[
+        bool,
+        typer.Option("-v", "--verbose", help="debug logging, fleetfit's and Flower's"),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="print the versions of fleetfit, Flower, torch and Python, and exit",
+        ),
+    ] = False,
+) -> None:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    _setup_logging(verbose)
+
+
+def _register() -> None:
+    # One module per command group, each with ``register(app)``.
     from fleetfit import (
         cmd_export,
         cmd_federation,
@@ -52,42 +174,20 @@ def _commands() -> list[Callable[[argparse._SubParsersAction], None]]:
         cmd_simulate,
     )
 
-    return [
-        cmd_simulate.add,
-        cmd_memory.add,
-        cmd_partition.add,
-        cmd_federation.add,
-        cmd_export.add,
-    ]
+    for module in (cmd_simulate, cmd_memory, cmd_partition, cmd_federation, cmd_export):
+        module.register(app)
+    for group in app.registered_groups:  # ``fleetfit memory`` and the like
+        if group.typer_instance is not None:
+            group.typer_instance.info.cls = FleetfitGroup
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fleetfit",
-        description="Train models on devices that do not have the memory to train them.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in _commands():
-        add(sub)
-    return parser
+_register()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        interrupted()
-    except (ValueError, FileNotFoundError, TimeoutError, ConnectionError) as e:
-        # Bad input and clear failures: one line naming the value and the fix.
-        print(f"fleetfit: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        _stop_ray()
+    """Run the command line ``argv`` (default: the process's) and return its exit code."""
+    command = typer.main.get_command(app)
+    return int(command.main(args=argv, prog_name="fleetfit", standalone_mode=False))
 
 
 def interrupted(signum: int = signal.SIGINT, *_: object) -> NoReturn:
@@ -153,31 +253,13 @@ def _stop_ray() -> None:
 
 
 def _descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (read from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
+    """Every live process below ``root`` (psutil; empty where ``root`` is gone)."""
+    import psutil
+
     try:
-        entries = os.listdir("/proc")
-    except OSError:
+        return {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.Error:
         return set()
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: fields follow the last ')'.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def _terminate(
@@ -186,25 +268,31 @@ def _terminate(
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGKILL),
 ) -> None:
     """Send ``signals[0]`` to ``pids``, wait up to ``grace_s`` for them to go, send
-    the next to the rest, and so on (by default SIGTERM, then SIGKILL)."""
-    import time
+    the next to the rest, and so on (by default SIGTERM, then SIGKILL).
 
-    def alive(pid: int) -> bool:
+    A pid is signalled only while it is the process it was when first seen (psutil
+    compares its start time), so a pid reused meanwhile is left alone.
+    """
+    import psutil
+
+    procs = []
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
     for sig in signals:
-        for pid in [p for p in pids if alive(p)]:
+        alive = []
+        for p in procs:
             try:
-                os.kill(pid, sig)
-            except OSError:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    p.send_signal(sig)
+                    alive.append(p)
+            except psutil.Error:
                 pass
-        deadline = time.monotonic() + grace_s
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        if not alive:
+            return
+        _, procs = psutil.wait_procs(alive, timeout=grace_s)
 
 
 if __name__ == "__main__":

@@ -16,33 +16,56 @@ import argparse
 import json
 from math import nan
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
+
+from fleetfit import options as opt
 from fleetfit.args import output_file
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def register(app: typer.Typer) -> None:
+    app.command(
         "export",
-        help="export a saved model to ONNX (checked against torch; optional int8)",
-        description="Export a fleetfit model.safetensors to ONNX with a dynamic batch "
-        "axis, check ONNX Runtime against torch, optionally quantise to int8, and "
-        "report held-out metrics.",
-    )
-    p.add_argument(
-        "--checkpoint", required=True, help="a model.safetensors written by a run"
-    )
-    p.add_argument("--out", required=True, help="the ONNX file to write")
-    p.add_argument(
-        "--quantize",
-        action="store_true",
-        help="also write <name>.int8.onnx (dynamic int8) and its accuracy change",
-    )
-    p.add_argument(
-        "--report", default=None, help="JSON report (default: <name>.export.json)"
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=run)
+        help="Export a fleetfit model.safetensors to ONNX with a dynamic batch axis, "
+        "check ONNX Runtime against torch, optionally quantise to int8, and report "
+        "held-out metrics.",
+        short_help="export a saved model to ONNX (checked against torch; optional int8)",
+    )(export_command)
+
+
+def export_command(
+    checkpoint: Annotated[
+        str,
+        typer.Option(
+            metavar="FILE",
+            help="a model.safetensors written by a run",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        str,
+        typer.Option(
+            metavar="FILE.onnx", help="the ONNX file to write", show_default=False
+        ),
+    ],
+    quantize: Annotated[
+        bool,
+        typer.Option(
+            "--quantize",
+            help="also write <name>.int8.onnx (dynamic int8) and its accuracy change",
+        ),
+    ] = False,
+    report: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="the JSON report (default: <name>.export.json beside --out)",
+        ),
+    ] = None,
+    json: opt.Json = False,
+) -> int:
+    return run(argparse.Namespace(**locals()))
 
 
 def run(args: argparse.Namespace) -> int:

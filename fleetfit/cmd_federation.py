@@ -34,9 +34,13 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Annotated
 
+import typer
+
+from fleetfit import options as opt
 from fleetfit import proxy
-from fleetfit.args import input_file, output_dir, port, positive_float, positive_int
+from fleetfit.args import input_file, output_dir, positive_float
 from server.config import ServerConfig
 from server.loop import no_update_reason
 
@@ -54,123 +58,258 @@ RUN_FLAGS = {
     "round_timeout": "round-timeout",
     "node_wait": "node-wait",
     "seed": "seed",
+    "lr": "lr",
+    "fraction": "fraction-train",
+    "split": "split",
+    "alpha": "dirichlet-alpha",
+    "batch": "batch-size",
+    "seq": "seq-len",
 }
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser(
+def register(app: typer.Typer) -> None:
+    app.command(
         "server",
-        help="run a federation's server: a Flower SuperLink and the run",
-        description="Start a SuperLink, run the federation with `flwr run`, stop.",
-    )
-    s.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the SuperLink's address: loopback only (its Control API starts runs)",
-    )
-    s.add_argument(
-        "--port", type=port, default=9091, help="the SuperLink's port (1..65535)"
-    )
-    s.add_argument(
-        "--public",
-        metavar="HOST:PORT",
-        help="let devices on other machines in here (e.g. 0.0.0.0:9092): nginx "
-        "listens there with the --ssl-* files and forwards only the Fleet API to "
-        "the loopback SuperLink (needs nginx and TLS)",
-    )
-    s.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=None,
-        help=f"training rounds (default: {_SERVER.num_server_rounds})",
-    )
-    s.add_argument(
-        "--workload",
-        default=None,
-        help=f"workload name or module:function (default: {_SERVER.shape.workload})",
-    )
-    s.add_argument(
-        "--min-nodes",
-        type=positive_int,
-        default=None,
-        help=f"nodes to wait for (default: {_SERVER.min_nodes})",
-    )
-    s.add_argument("--out", required=True, help="run folder")
-    s.add_argument(
-        "--local-steps",
-        type=positive_int,
-        default=None,
-        help=f"steps per round (default: {_SERVER.shape.local_steps})",
-    )
-    s.add_argument(
-        "--round-timeout",
-        type=positive_float,
-        default=None,
-        help="seconds to wait for a round's replies (default: "
-        f"{_SERVER.round_timeout_s:g})",
-    )
-    s.add_argument(
-        "--node-wait",
-        type=positive_float,
-        default=None,
-        help=f"seconds to wait for --min-nodes (default: {_SERVER.node_wait_s:g})",
-    )
-    s.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help=f"seed of all randomness (default: {_SERVER.shape.seed})",
-    )
-    s.add_argument("--resume", action="store_true", help="continue from <out>/state")
-    s.add_argument(
-        "--database",
-        help="the SuperLink's state file (SQLite), kept across restarts so that "
-        "SuperNodes and registered keys stay known (default: a fresh temporary one)",
-    )
-    s.add_argument(
-        "--run-config",
-        default="",
-        help='more run-config keys, TOML ("lr=0.01 min-replies=2")',
-    )
-    s.add_argument(
-        "--ssl-certfile",
-        help="TLS: the server's certificate (nginx's, with --public)",
-    )
-    s.add_argument("--ssl-keyfile", help="TLS: its private key")
-    s.add_argument("--ssl-ca-certfile", help="TLS: the CA certificate")
-    s.add_argument(
-        "--enable-supernode-auth",
-        action="store_true",
-        help="only registered SuperNodes may join (needs TLS)",
-    )
-    s.add_argument(
-        "--register",
-        action="append",
-        default=[],
-        metavar="KEY.pub",
-        help="register a SuperNode's public key (OpenSSH EC key); repeatable",
-    )
-    s.set_defaults(func=run_server)
-
-    c = sub.add_parser(
+        help="Start a Flower SuperLink on loopback, run the federation with `flwr run` "
+        "(progress and metrics as rounds end), stop. Options not given keep the run "
+        "config's defaults (the Flower app's pyproject.toml).",
+        short_help="run a federation's server: a Flower SuperLink and the run",
+    )(server_command)
+    app.command(
         "client",
-        help="run a device: a Flower SuperNode with its memory budget",
-        description="Start a SuperNode with fleetfit's node config; stop on Ctrl-C.",
-    )
-    c.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
-    c.add_argument("--memory-budget", help='e.g. "512MB" (default: measured)')
-    c.add_argument("--disk-budget", help='e.g. "2GB"; 0 forbids offload')
-    c.add_argument("--partition-id", type=int, required=True)
-    c.add_argument("--num-partitions", type=positive_int, required=True)
-    c.add_argument("--offload-dir", help="where offload and streaming files go")
-    c.add_argument(
-        "--allow-workloads",
-        help="module:function workloads (or module:*) this node may import, "
-        "comma-separated; default: built-in workloads only",
-    )
-    c.add_argument("--root-certificates", help="TLS: the CA certificate")
-    c.add_argument("--auth-private-key", help="SuperNode authentication key")
-    c.set_defaults(func=run_client)
+        help="Start a Flower SuperNode with this device's budgets in its node config; "
+        "print the rounds it trains; stop on Ctrl-C.",
+        short_help="run a device: a Flower SuperNode with its memory budget",
+    )(client_command)
+
+
+def server_command(
+    workload: opt.Workload = None,
+    rounds: opt.Rounds = None,
+    min_nodes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"nodes to wait for before the first round (default: "
+            f"{_SERVER.min_nodes})",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = None,
+    local_steps: opt.LocalSteps = None,
+    lr: opt.Lr = None,
+    fraction: opt.Fraction = None,
+    seed: opt.Seed = None,
+    split: opt.Split = None,
+    alpha: opt.Alpha = None,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    round_timeout: Annotated[
+        float | None,
+        typer.Option(
+            parser=opt.checked(positive_float),
+            metavar="SECONDS",
+            help="seconds to wait for a round's replies (default: "
+            f"{_SERVER.round_timeout_s:g})",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = None,
+    node_wait: Annotated[
+        float | None,
+        typer.Option(
+            parser=opt.checked(positive_float),
+            metavar="SECONDS",
+            help=f"seconds to wait for --min-nodes (default: {_SERVER.node_wait_s:g})",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = None,
+    run_config: Annotated[
+        str,
+        typer.Option(
+            metavar="'KEY=VALUE ...'",
+            help='more run-config keys, TOML values ("weight-clip=3 min-replies=2"); '
+            "the keys are those of pyproject.toml's [tool.flwr.app.config]",
+            show_default=False,
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = "",
+    host: Annotated[
+        str,
+        typer.Option(
+            metavar="ADDRESS",
+            help="the SuperLink's address: loopback only (its Control API starts runs)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int,
+        typer.Option(
+            min=1, max=65535, help="the SuperLink's port", rich_help_panel=opt.NETWORK
+        ),
+    ] = 9091,
+    public: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="let devices on other machines in here (e.g. 0.0.0.0:9092): nginx "
+            "listens there with the --ssl-* files and forwards only the Fleet API to "
+            "the loopback SuperLink (needs nginx and TLS) (default: loopback only)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    ssl_certfile: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="TLS: the server's certificate, PEM (nginx's, with --public)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    ssl_keyfile: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="TLS: its unencrypted PEM private key",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    ssl_ca_certfile: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="TLS: the CA certificate, PEM (the one devices verify)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    enable_supernode_auth: Annotated[
+        bool,
+        typer.Option(
+            "--enable-supernode-auth",
+            help="only registered SuperNodes may join (needs TLS)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = False,
+    register: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KEY.pub",
+            help="register a SuperNode's public key (OpenSSH EC key); repeatable",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    database: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="the SuperLink's state file (SQLite), kept across restarts so that "
+            "SuperNodes and registered keys stay known (default: a fresh temporary "
+            "one)",
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="continue the run in --out from its state/ folder",
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = False,
+    progress: opt.Progress = True,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="run folder (default: runs/server-<timestamp>)",
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = None,
+) -> int:
+    args = argparse.Namespace(**locals())
+    args.register = list(register or [])
+    if args.out is None:
+        if args.resume:
+            raise ValueError("--resume continues a run: give its folder with --out")
+        args.out = time.strftime("runs/server-%Y%m%d-%H%M%S")
+    return run_server(args)
+
+
+def client_command(
+    superlink: Annotated[
+        str,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="the SuperLink's Fleet API (with `fleetfit server --public`, nginx's "
+            "address)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = "127.0.0.1:9091",
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            parser=opt.checked(opt.size),
+            metavar="SIZE",
+            help=f"{opt.BUDGET_HELP} (default: measured on this machine)",
+            rich_help_panel=opt.MEMORY,
+        ),
+    ] = None,
+    disk_budget: opt.DiskBudget = None,
+    offload_dir: opt.OffloadDir = None,
+    partition_id: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="which share of the workload's training data this device holds, "
+            "0..--num-partitions - 1 (simulated data; a real device has its own)",
+            rich_help_panel=opt.DATA,
+        ),
+    ] = 0,
+    num_partitions: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="into how many shares the training data is split, one per device",
+            rich_help_panel=opt.DATA,
+        ),
+    ] = 1,
+    allow_workloads: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MOD:FN,...",
+            help="module:function workloads (or module:*) this node may import, "
+            "comma-separated (default: built-in workloads only)",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="the SuperNode's own loopback port, for its ClientApp "
+            "(default: a free one)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    root_certificates: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="TLS: the CA certificate, PEM (default: no TLS, loopback or a "
+            "trusted network only)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+    auth_private_key: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="SuperNode authentication: this node's OpenSSH EC private key "
+            "(its .pub registered with `fleetfit server --register`)",
+            rich_help_panel=opt.NETWORK,
+        ),
+    ] = None,
+) -> int:
+    return run_client(argparse.Namespace(**locals()))
 
 
 # ------------------------------------------------------------------- helpers
@@ -681,7 +820,7 @@ def run_client(args: argparse.Namespace) -> int:
         "--host",
         "127.0.0.1",
         "--port",
-        str(free_port()),
+        str(args.port or free_port()),
         "--node-config",
         " ".join(node),
     ]

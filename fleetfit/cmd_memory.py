@@ -2,8 +2,8 @@
 a budget, and a measured run under it.
 
     fleetfit memory profile --workload gpt-byte
-    fleetfit memory plan --workload gpt2-small --budget 2GiB
-    fleetfit memory run --workload gpt-byte --budget 300MB --steps 3 --json
+    fleetfit memory plan --workload gpt2-small --memory-budget 2GiB
+    fleetfit memory run --workload gpt-byte --memory-budget 300MB --steps 3 --json
     fleetfit memory run --workload gpt-byte --plain --steps 3
 
 With ``--json`` each prints one JSON object on one line, the last line of standard
@@ -22,116 +22,152 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Annotated, Any
 
-from fleetfit.args import (
-    non_negative_int,
-    output_dir,
-    output_file,
-    positive_float,
-    positive_int,
-)
+import typer
+
+from fleetfit import options as opt
+from fleetfit.args import output_dir, output_file, positive_float
+from wire.shape import RunShape
 
 # Budgets and peaks count what training adds above the runtime's import footprint
 # (torch and the workload's imports, about 290-350 MiB on CPU): a process trained
-# under --budget 300MB peaks near 300 MiB + that footprint.
+# under --memory-budget 300MB peaks near 300 MiB + that footprint.
 NOT_INCLUDED = (
     "above the runtime's import footprint (torch and the workload's imports, "
     "about 290-350 MiB, not included here; {where})"
 )
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "memory",
-        help="profile a training step, plan it into a budget, run it measured",
-        description="Know what a training step costs, plan it into a byte budget, and "
-        "run it with its real peak measured.",
+def register(app: typer.Typer) -> None:
+    memory = typer.Typer(
+        help="Know what a training step costs, plan it into a byte budget, and run it "
+        "with its real peak measured.",
+        short_help="profile a training step, plan it into a budget, run it measured",
+        no_args_is_help=True,
     )
-    verbs = p.add_subparsers(dest="verb", required=True)
-    for verb, text in (
-        ("profile", "per-block costs of one training step"),
-        ("plan", "the fastest plan that fits --budget (or the smallest plan)"),
-        ("run", "train --steps steps under the plan (or --plain), measured"),
-    ):
-        v = verbs.add_parser(verb, help=text, description=text)
-        v.add_argument(
-            "--workload", required=True, help="built-in workload or module:function"
-        )
-        v.add_argument(
-            "--batch",
-            type=non_negative_int,
-            default=0,
-            help="batch size (built-in workloads; default: the workload's)",
-        )
-        v.add_argument(
-            "--seq",
-            type=non_negative_int,
-            default=0,
-            help="sequence length (language models; default: the workload's)",
-        )
-        v.add_argument(
-            "--json",
-            action="store_true",
-            help="print one JSON object as the last line of standard output",
-        )
-        v.add_argument(
-            "--offload-dir",
-            default=None,
-            help="directory for offloaded activations and streamed state "
-            "(default: the system temporary directory)",
-        )
-        if verb in ("plan", "run"):
-            v.add_argument(
-                "--budget",
-                default=None,
-                help='memory budget, e.g. "512MB", "1.5GiB" (bytes if bare)',
-            )
-            v.add_argument(
-                "--disk-budget",
-                default=None,
-                help="disk the plan may use for offload and streaming; 0 "
-                "forbids both (default: half the free space of --offload-dir)",
-            )
-            v.add_argument(
-                "--init-state",
-                default=None,
-                help="module:function workloads: read the model's weights from this "
-                "safetensors file unit by unit, streamed units straight to disk, so "
-                "that loading stays within the plan (default: the factory builds "
-                "the model whole, which then counts in the peak)",
-            )
-            v.add_argument(
-                "--allow-microbatching",
-                action="store_true",
-                help="allow micro-batches for models with batch-dependent "
-                "layers (BatchNorm); results then differ from plain training",
-            )
-        if verb == "run":
-            v.add_argument(
-                "--plain",
-                action="store_true",
-                help="plain training (no plan), measured the same way",
-            )
-            v.add_argument(
-                "--steps",
-                type=positive_int,
-                default=3,
-                help="training steps (default: 3)",
-            )
-            v.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
-            v.add_argument(
-                "--lr",
-                type=positive_float,
-                default=1e-3,
-                help="AdamW learning rate (default: 0.001)",
-            )
-            v.add_argument(
-                "--save",
-                default=None,
-                help="write the final parameters and buffers (safetensors)",
-            )
-        v.set_defaults(func=run)
+    memory.command(
+        "profile", help="Per-block costs of one training step: memory and time."
+    )(profile_command)
+    memory.command(
+        "plan",
+        help="The fastest plan that fits --memory-budget (without it, the smallest "
+        "plan).",
+    )(plan_command)
+    memory.command(
+        "run",
+        help="Train --steps steps under the plan (or --plain) in a child process, "
+        "its peak memory measured.",
+    )(run_command)
+    app.add_typer(memory, name="memory")
+
+
+InitState = Annotated[
+    str | None,
+    typer.Option(
+        metavar="FILE",
+        help="module:function workloads: read the model's weights from this "
+        "safetensors file unit by unit, streamed units straight to disk, so that "
+        "loading stays within the plan (default: the factory builds the model whole, "
+        "which then counts in the peak)",
+        rich_help_panel=opt.MEMORY,
+    ),
+]
+AllowMicrobatching = Annotated[
+    bool,
+    typer.Option(
+        "--allow-microbatching",
+        help="allow micro-batches for models with batch-dependent layers "
+        "(BatchNorm); results then differ from plain training",
+        rich_help_panel=opt.MEMORY,
+    ),
+]
+
+
+def profile_command(
+    workload: opt.Workload = None,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    offload_dir: opt.OffloadDir = None,
+    json: opt.Json = False,
+) -> int:
+    return run(_namespace("profile", locals()))
+
+
+def plan_command(
+    workload: opt.Workload = None,
+    memory_budget: opt.MemoryBudget = None,
+    disk_budget: opt.DiskBudget = None,
+    offload_dir: opt.OffloadDir = None,
+    init_state: InitState = None,
+    allow_microbatching: AllowMicrobatching = False,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    json: opt.Json = False,
+) -> int:
+    return run(_namespace("plan", locals()))
+
+
+def run_command(
+    workload: opt.Workload = None,
+    memory_budget: opt.MemoryBudget = None,
+    plain: Annotated[
+        bool,
+        typer.Option(
+            "--plain",
+            help="plain training (no plan), measured the same way",
+            rich_help_panel=opt.MEMORY,
+        ),
+    ] = False,
+    disk_budget: opt.DiskBudget = None,
+    offload_dir: opt.OffloadDir = None,
+    init_state: InitState = None,
+    allow_microbatching: AllowMicrobatching = False,
+    steps: Annotated[
+        int,
+        typer.Option(min=1, help="training steps", rich_help_panel=opt.TRAINING),
+    ] = 3,
+    lr: Annotated[
+        float,
+        typer.Option(
+            parser=opt.checked(positive_float),
+            metavar="RATE",
+            help="AdamW learning rate",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = 1e-3,
+    seed: Annotated[
+        int, typer.Option(help="seed of all randomness", rich_help_panel=opt.TRAINING)
+    ] = 0,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    save: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="write the final parameters and buffers (safetensors)",
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = None,
+    json: opt.Json = False,
+) -> int:
+    return run(_namespace("run", locals()))
+
+
+def _namespace(verb: str, given: dict[str, Any]) -> argparse.Namespace:
+    """The options of ``verb`` with those it lacks at their defaults."""
+    args = argparse.Namespace(
+        verb=verb,
+        memory_budget=None,
+        disk_budget=None,
+        init_state=None,
+        allow_microbatching=False,
+        plain=False,
+        save=None,
+    )
+    vars(args).update(given)
+    args.workload = args.workload or RunShape().workload
+    return args
 
 
 def _check_init_state(path: str, units: bool) -> None:
@@ -184,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
         output_file("--save", args.save, "model.safetensors")
     budget = disk = None
     if args.verb != "profile":
-        if args.budget is not None:
-            budget = parse_bytes(args.budget, what="--budget")
+        if args.memory_budget is not None:
+            budget = parse_bytes(args.memory_budget, what="--memory-budget")
         elif args.verb == "run" and not args.plain:
-            raise ValueError("--budget is required for run (or use --plain)")
+            raise ValueError("--memory-budget is required for run (or use --plain)")
         if args.disk_budget is not None:
             disk = parse_bytes(args.disk_budget, what="--disk-budget", allow_zero=True)
     units = uses_units(wl)

@@ -16,96 +16,152 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fleetfit.args import non_negative_int, output_dir, output_file, positive_int
+import typer
+
+from fleetfit import options as opt
+from fleetfit.args import output_dir, output_file
+from wire.shape import RunShape
 
 TIMELINE_FILE = "timeline.png"  # what `partition simulate` writes into its --out folder
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "partition",
-        help="plan, simulate and run a training job split across devices",
-        description="Cut one training job into pipeline stages (and replicas) across "
-        "a cluster's devices; simulate the schedule; run it with torchrun.",
+def register(app: typer.Typer) -> None:
+    partition = typer.Typer(
+        help="Cut one training job into pipeline stages (and replicas) across a "
+        "cluster's devices; simulate the schedule; run it with torchrun.",
+        short_help="plan, simulate and run a training job split across devices",
+        no_args_is_help=True,
     )
-    psub = p.add_subparsers(dest="partition_command", required=True)
-    for name, helptext in (
-        ("plan", "print the plan: stages, schedule, predicted step, bubble, peaks"),
-        ("simulate", "plan, then draw the simulated step as a timeline PNG"),
-        ("run", "plan, then run it with torchrun on this machine"),
-    ):
-        q = psub.add_parser(name, help=helptext, description=helptext)
-        q.add_argument(
-            "--cluster", required=True, help="cluster TOML file (see docs/partition.md)"
+    partition.command(
+        "plan",
+        help="Print the plan: stages, schedule, predicted step, bubble, peaks. With "
+        "--model, the layout of a GPU-scale model on a GPU cluster.",
+    )(plan_command)
+    partition.command(
+        "simulate", help="Plan, then draw the simulated step as a timeline PNG."
+    )(simulate_command)
+    partition.command("run", help="Plan, then run it with torchrun on this machine.")(
+        run_command
+    )
+    app.add_typer(partition, name="partition")
+
+
+Cluster = Annotated[
+    str,
+    typer.Option(
+        metavar="FILE",
+        help="cluster TOML file, e.g. partition/clusters/unequal-4.toml "
+        "(see docs/partition.md)",
+        show_default=False,
+    ),
+]
+Schedules = Annotated[
+    str,
+    typer.Option(
+        metavar="A,B,...",
+        help="comma-separated schedules to consider (default: all)",
+        show_default=False,
+        rich_help_panel=opt.TRAINING,
+    ),
+]
+MaxMicrobatches = Annotated[
+    int,
+    typer.Option(
+        min=1, help="most micro-batches per step", rich_help_panel=opt.TRAINING
+    ),
+]
+
+
+def plan_command(
+    cluster: Cluster,
+    workload: opt.Workload = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME",
+            help="instead of --workload, a GPU-scale model for the analytic layout "
+            "model: llama2-7b, llama2-13b, llama2-70b, gpt3-175b",
+        ),
+    ] = None,
+    global_batch_tokens: Annotated[
+        int,
+        typer.Option(min=1, help="with --model: tokens per step (default: 4Mi)"),
+    ] = 4 * 2**20,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    schedules: Schedules = "",
+    max_microbatches: MaxMicrobatches = 16,
+    json: opt.Json = False,
+) -> int:
+    if model is not None and workload is not None:
+        raise ValueError("give --workload or --model, not both")
+    if model is not None and (batch is not None or seq is not None):
+        raise ValueError(
+            "--batch and --seq apply to --workload; with --model the step's size is "
+            "--global-batch-tokens"
         )
-        src = q.add_mutually_exclusive_group(required=True)
-        src.add_argument(
-            "--workload", help="built-in workload or module:function (profiled here)"
-        )
-        if name == "plan":
-            src.add_argument(
-                "--model",
-                help="a GPU-scale model for the analytic layout model: "
-                "llama2-7b, llama2-13b, llama2-70b, gpt3-175b",
-            )
-            q.add_argument(
-                "--global-batch-tokens",
-                type=positive_int,
-                default=4 * 2**20,
-                help="tokens per step for --model (default: 4Mi)",
-            )
-        q.add_argument(
-            "--batch",
-            type=non_negative_int,
-            default=0,
-            help="examples per step (default: the workload's)",
-        )
-        q.add_argument(
-            "--seq",
-            type=non_negative_int,
-            default=0,
-            help="tokens per example for language models (default: the workload's)",
-        )
-        q.add_argument(
-            "--schedules",
-            default="",
-            help="comma-separated schedules to consider (default: all)",
-        )
-        q.add_argument(
-            "--max-microbatches",
-            type=positive_int,
-            default=16,
-            help="most micro-batches per step (default: 16)",
-        )
-        q.add_argument("--json", action="store_true", help="one JSON object at the end")
-        if name == "simulate":
-            q.add_argument(
-                "--out",
-                default="",
-                help="folder to write timeline.png into, or a .png path (default: "
-                "runs/partition-<timestamp>/)",
-            )
-        if name == "run":
-            q.add_argument(
-                "--steps", type=positive_int, default=3, help="steps (default: 3)"
-            )
-            q.add_argument(
-                "--out",
-                default="",
-                help="folder for the ranks' results (default: temp)",
-            )
-            q.add_argument(
-                "--seed", type=int, default=0, help="model seed (default: 0)"
-            )
-            q.add_argument(
-                "--timeout",
-                type=positive_int,
-                default=900,
-                help="seconds before the run is killed (default: 900)",
-            )
-        q.set_defaults(func=_run)
+    return _run(_namespace("plan", locals()))
+
+
+def simulate_command(
+    cluster: Cluster,
+    workload: opt.Workload = None,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    schedules: Schedules = "",
+    max_microbatches: MaxMicrobatches = 16,
+    out: Annotated[
+        str,
+        typer.Option(
+            metavar="DIR|FILE.png",
+            help="folder to write timeline.png into, or a .png path (default: "
+            "runs/partition-<timestamp>/)",
+            show_default=False,
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = "",
+    json: opt.Json = False,
+) -> int:
+    return _run(_namespace("simulate", locals()))
+
+
+def run_command(
+    cluster: Cluster,
+    workload: opt.Workload = None,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    schedules: Schedules = "",
+    max_microbatches: MaxMicrobatches = 16,
+    steps: Annotated[
+        int, typer.Option(min=1, help="training steps", rich_help_panel=opt.TRAINING)
+    ] = 3,
+    seed: Annotated[
+        int, typer.Option(help="seed of the model", rich_help_panel=opt.TRAINING)
+    ] = 0,
+    timeout: Annotated[
+        int, typer.Option(min=1, help="seconds before the run is killed")
+    ] = 900,
+    out: Annotated[
+        str,
+        typer.Option(
+            metavar="DIR",
+            help="folder for the ranks' results (default: a temporary folder)",
+            show_default=False,
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = "",
+    json: opt.Json = False,
+) -> int:
+    return _run(_namespace("run", locals()))
+
+
+def _namespace(command: str, given: dict[str, Any]) -> argparse.Namespace:
+    args = argparse.Namespace(partition_command=command, **{"model": None, **given})
+    if args.model is None and args.workload is None:
+        args.workload = RunShape().workload
+    return args
 
 
 def _profile(args: argparse.Namespace) -> Any:

@@ -11,12 +11,14 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fleetfit.args import non_negative_int, positive_float, positive_int
+import typer
+
+from fleetfit import options as opt
+from fleetfit.args import positive_float
 from simulations.run import SimulationSettings, check_ray_address
 from wire.shape import RunShape
-from workloads.splits import SPLITS
 
 _SHAPE = RunShape()  # the defaults: the run config's, one source
 _SIM = SimulationSettings()
@@ -49,121 +51,95 @@ def given(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def register(app: typer.Typer) -> None:
+    app.command(
         "simulate",
-        help="simulate a federation on Flower's simulation engine",
-        description="Simulate a federation locally (Flower simulation engine on Ray), "
-        "print a per-round table and write a run folder.",
-    )
-    p.add_argument(
-        "--workload",
-        default=None,
-        help=f"built-in workload or module:function (default: {_SHAPE.workload})",
-    )
-    p.add_argument(
-        "--fleet",
-        default=None,
-        help="a fleet file (TOML) or a shipped fleet: phones, sbc, edge; it sets the "
-        "workload, devices, budgets and split (the options below override it)",
-    )
-    p.add_argument(
-        "--strategy",
-        default=None,
-        help="with --fleet: fleetfit (default), exclude or smallest-model",
-    )
-    p.add_argument(
-        "--compare",
-        default=None,
-        help="with --fleet: strategies to run side by side, e.g. "
-        "fleetfit,exclude,smallest-model (a run folder each under --out)",
-    )
-    p.add_argument(
-        "--target",
-        type=positive_float,
-        default=None,
-        help="with --compare: the metric for 'rounds to target' (default: the worst "
-        "final metric among the strategies)",
-    )
-    p.add_argument(
-        "--ray-address",
-        default="",
-        help="run on an existing Ray cluster (auto, or HEAD:6379) instead of a local "
-        "Ray (see docs/simulations.md)",
-    )
-    p.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (one line per round on stderr)",
-    )
-    p.add_argument(
-        "--clients",
-        type=positive_int,
-        default=None,
-        help=f"virtual clients (default: {_SIM.num_clients}, or the fleet's)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=None,
-        help=f"federated rounds (default: {_SIM.num_server_rounds}, or the fleet's)",
-    )
-    p.add_argument(
-        "--local-steps",
-        type=positive_int,
-        default=None,
-        help="optimizer steps per client per round (default: "
-        f"{_SHAPE.local_steps}, or the fleet's)",
-    )
-    p.add_argument(
-        "--lr",
-        type=positive_float,
-        default=None,
-        help=f"client AdamW learning rate (default: {_SHAPE.lr}, or the fleet's)",
-    )
-    p.add_argument(
-        "--split",
-        default=None,
-        choices=SPLITS,
-        help=f"how data is split across clients (default: {_SHAPE.split})",
-    )
-    p.add_argument(
-        "--alpha",
-        type=positive_float,
-        default=None,
-        help="Dirichlet concentration for --split dirichlet (default: "
-        f"{_SHAPE.dirichlet_alpha}, or the fleet's)",
-    )
-    p.add_argument(
-        "--fraction",
-        type=positive_float,
-        default=None,
-        help="share of clients sampled per round, in (0, 1] (default: "
-        f"{_SIM.fraction_train:g}, or the fleet's)",
-    )
-    p.add_argument(
-        "--batch",
-        type=non_negative_int,
-        default=None,
-        help="local batch size (default: the workload's, or the fleet's)",
-    )
-    p.add_argument(
-        "--seq",
-        type=non_negative_int,
-        default=None,
-        help="sequence length for language models (default: the workload's, or the "
-        "fleet's)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help=f"seed of all randomness (default: {_SHAPE.seed}, or the fleet's)",
-    )
-    p.add_argument(
-        "--out", default=None, help="run folder (default: runs/simulate-<timestamp>)"
-    )
-    p.set_defaults(func=run)
+        help="Simulate a federation locally (Flower's simulation engine on Ray), print "
+        "a per-round table and write a run folder.",
+        short_help="simulate a federation on Flower's simulation engine",
+    )(simulate_command)
+
+
+def simulate_command(
+    workload: opt.Workload = None,
+    fleet: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE|NAME",
+            help="a fleet file (TOML) or a shipped fleet: phones, sbc, edge; it sets "
+            "the workload, devices, budgets and split (the options given override it)",
+            rich_help_panel="Fleet",
+        ),
+    ] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME",
+            help="with --fleet: fleetfit, exclude or smallest-model (default: fleetfit)",
+            rich_help_panel="Fleet",
+        ),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            metavar="A,B,...",
+            help="with --fleet: strategies to run side by side, e.g. "
+            "fleetfit,exclude,smallest-model (a run folder each under --out)",
+            rich_help_panel="Fleet",
+        ),
+    ] = None,
+    target: Annotated[
+        float | None,
+        typer.Option(
+            parser=opt.checked(positive_float),
+            metavar="METRIC",
+            help="with --compare: the metric for 'rounds to target' (default: the "
+            "worst final metric among the strategies)",
+            rich_help_panel="Fleet",
+        ),
+    ] = None,
+    clients: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"virtual clients (default: {_SIM.num_clients}, or the fleet's)",
+            rich_help_panel=opt.TRAINING,
+        ),
+    ] = None,
+    rounds: opt.Rounds = None,
+    local_steps: opt.LocalSteps = None,
+    lr: opt.Lr = None,
+    fraction: opt.Fraction = None,
+    seed: opt.Seed = None,
+    split: opt.Split = None,
+    alpha: opt.Alpha = None,
+    batch: opt.Batch = None,
+    seq: opt.Seq = None,
+    ray_address: Annotated[
+        str,
+        typer.Option(
+            metavar="auto|HOST:PORT",
+            help="run on an existing Ray cluster (auto, or HEAD:6379) instead of a "
+            "local Ray (see docs/simulations.md) (default: a local Ray)",
+            show_default=False,
+        ),
+    ] = "",
+    progress: opt.Progress = True,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="run folder (default: runs/simulate-<timestamp>, with --fleet "
+            "runs/<fleet>-<timestamp>)",
+            rich_help_panel=opt.OUTPUT,
+        ),
+    ] = None,
+) -> int:
+    """The fleet's values are the defaults of a ``--fleet`` run; an option given
+    overrides them."""
+    args = argparse.Namespace(**locals())
+    args.no_progress = not progress
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -187,7 +187,7 @@ def runs(jobs):
         budget = str(last_json(smallest[1])["min_budget_bytes"] + 2**20)
         r["budget"] = int(budget)
         r["plan"] = call(
-            "memory", "plan", "--workload", spec, "--budget", budget, "--json"
+            "memory", "plan", "--workload", spec, "--memory-budget", budget, "--json"
         )
         save = str(jobs / f"{name}.safetensors")
         r["run"] = call(
@@ -195,7 +195,7 @@ def runs(jobs):
             "run",
             "--workload",
             spec,
-            "--budget",
+            "--memory-budget",
             budget,
             "--steps",
             "2",
@@ -291,7 +291,8 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
     assert code != 0
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
-    assert line.startswith("fleetfit: error: "), err
+    assert line.startswith("fleetfit "), err
+    assert ": error: " in line, err
     for n in needles:
         assert n in line, line
 
@@ -383,7 +384,7 @@ def test_run_reads_its_weights_from_a_file(runs, jobs, capsys, name):
     save_state(model, path)
     spec, budget = SPECS[name], str(runs[name]["budget"])
     code, out, err = cli(
-        capsys, "memory", "run", "--workload", spec, "--budget", budget,
+        capsys, "memory", "run", "--workload", spec, "--memory-budget", budget,
         "--steps", "2", "--json", "--init-state", path,
     )  # fmt: skip
     assert code == 0, err

@@ -61,7 +61,7 @@ def test_run_under_a_budget_equals_plain_and_fits(tmp_path):
             "run",
             "--workload",
             "gpt-tiny",
-            "--budget",
+            "--memory-budget",
             budget,
             "--steps",
             "3",
@@ -90,17 +90,19 @@ def test_run_under_a_budget_equals_plain_and_fits(tmp_path):
     [
         ("0", "greater than zero"),
         ("-5MB", "negative"),
-        ("lots", "cannot parse --budget"),
+        ("lots", "'--memory-budget': cannot parse size 'lots'"),
     ],
 )
 def test_bad_budgets_fail_clearly(budget, needle, capsys):
-    code = main(["memory", "plan", "--workload", "gpt-tiny", f"--budget={budget}"])
+    code = main(
+        ["memory", "plan", "--workload", "gpt-tiny", f"--memory-budget={budget}"]
+    )
     assert code == 2
     assert needle in capsys.readouterr().err
 
 
 def test_budget_below_the_smallest_plan_names_it(capsys):
-    code = main(["memory", "plan", "--workload", "gpt-tiny", "--budget", "1kB"])
+    code = main(["memory", "plan", "--workload", "gpt-tiny", "--memory-budget", "1kB"])
     err = capsys.readouterr().err
     assert code == 2
     assert "smallest budget" in err.lower(), err
@@ -108,4 +110,4 @@ def test_budget_below_the_smallest_plan_names_it(capsys):
 
 def test_run_needs_a_budget_or_plain(capsys):
     assert main(["memory", "run", "--workload", "gpt-tiny"]) == 2
-    assert "--budget is required" in capsys.readouterr().err
+    assert "--memory-budget is required" in capsys.readouterr().err

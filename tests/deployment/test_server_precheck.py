@@ -46,7 +46,7 @@ def test_bad_run_config_is_refused_before_anything_starts(
     code = main(["server", "--out", str(out), *extra])
     err = capsys.readouterr().err
     assert code == 2, err
-    line = next(x for x in err.splitlines() if x.startswith("fleetfit: error:"))
+    line = next(x for x in err.splitlines() if x.startswith("fleetfit server: error:"))
     for needle in needles:
         assert needle in line, line
     assert "Traceback" not in err
@@ -58,7 +58,7 @@ def refused(tmp_path, capsys, args: list[str]) -> str:
     code = main(["server", "--out", str(out), *args])
     err = capsys.readouterr().err
     assert code == 2, err
-    (line,) = [x for x in err.splitlines() if x.startswith("fleetfit: error:")]
+    (line,) = [x for x in err.splitlines() if x.startswith("fleetfit server: error:")]
     assert "Traceback" not in err
     assert not out.exists()
     return line
@@ -128,7 +128,7 @@ def test_unknown_workload_is_one_line_and_no_superlink_starts(tmp_path):
     )
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("fleetfit: error: unknown workload 'nosuch'"), line
+    assert line.startswith("fleetfit server: error: unknown workload 'nosuch'"), line
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert not out.exists()

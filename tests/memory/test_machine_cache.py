@@ -103,7 +103,7 @@ def test_the_same_command_gives_the_same_plan_under_load(tmp_path):
         "plan",
         "--workload",
         "hfwl:build_gpt2",
-        "--budget",
+        "--memory-budget",
         "200MB",  # above the smallest plan also where the runtime probe reads 75 MiB
         "--disk-budget",  # the default, half the free space, moves with other files
         "1GB",
