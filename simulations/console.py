@@ -19,16 +19,29 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.text import Text
 
-_console: Console | None = None
+_bound: Console | None = None  # the command's: on the stderr it started with
+_dynamic: Console | None = None  # otherwise: on whatever sys.stderr is at the time
+
+
+def bind() -> Console:
+    """Bind the shared console to the current ``sys.stderr``; a command calls this
+    once as it starts (``log_handler`` does). Bound, a library that redirects
+    ``sys.stderr`` for a while (the ONNX exporter does, in the ServerApp's thread)
+    cannot swallow the rows and the bar that other threads print meanwhile."""
+    global _bound
+    _bound = Console(file=sys.stderr)
+    return _bound
 
 
 def console() -> Console:
-    """The shared console. It writes to whatever ``sys.stderr`` is at the time (and
-    through rich's own redirection while a bar is live)."""
-    global _console
-    if _console is None:
-        _console = Console(stderr=True)
-    return _console
+    """The shared console: the bound one while its stream is open, else one that
+    writes to whatever ``sys.stderr`` is at the time (tests, library use)."""
+    global _dynamic
+    if _bound is not None and not getattr(_bound.file, "closed", False):
+        return _bound
+    if _dynamic is None:
+        _dynamic = Console(stderr=True)
+    return _dynamic
 
 
 def is_live(con: Console | None = None) -> bool:
@@ -47,10 +60,12 @@ def say(line: str | Text, con: Console | None = None) -> None:
 
 def log_handler() -> logging.Handler:
     """The handler of fleetfit's commands: ``LEVEL logger: message`` on stderr, through
-    rich on a terminal (above any live bar), else plain lines."""
-    if is_live():
+    rich on a terminal (above any live bar), else plain lines. Binds the shared
+    console to the current ``sys.stderr`` (``bind``)."""
+    con = bind()
+    if is_live(con):
         handler: logging.Handler = RichHandler(
-            console=console(),
+            console=con,
             show_time=False,
             show_path=False,
             markup=False,

@@ -8,8 +8,7 @@ On a terminal it draws a rich progress bar on the shared console
 each round lands::
 
     round 3/10  accuracy 0.8123  clients 4/5  train loss 0.5120  4.1 s
-    rounds ━━━━━━━━━━━╸━━━━━━━━━━━━━━━━━━━━━━━━━━━ 3/10  accuracy 0.8123  4/5 clients
-    5.2 s/round  eta 36 s  0:00:15                          (one line on a terminal)
+    rounds ━━━━╸━━━━━━━━━━━ 3/10 accuracy 0.8123, 4/5 clients, 5.2 s/round, eta 36 s
 
 Elsewhere (logs, CI, pipes) it prints the row alone, with the eta, one line per round.
 """
@@ -28,7 +27,6 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     TextColumn,
-    TimeElapsedColumn,
 )
 
 from simulations.console import console as shared_console
@@ -70,10 +68,9 @@ class RoundProgress:
         if is_live(self.console):
             self._bar = Progress(
                 TextColumn("{task.description}"),
-                BarColumn(),
+                BarColumn(bar_width=16),  # the whole bar fits 80 columns
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(),
                 console=self.console,
                 refresh_per_second=4,
             )
@@ -157,12 +154,12 @@ def eta_s(done: int, total: int, elapsed_s: float) -> float:
 
 
 def format_status(rounds: list[dict[str, Any]], total: int, elapsed_s: float) -> str:
-    """The bar's text: ``accuracy 0.8123  4/5 clients  4.1 s/round  eta 29 s``."""
+    """The bar's text: ``accuracy 0.8123, 4/5 clients, 4.1 s/round, eta 29 s``."""
     done = min(len(rounds), total)
     last = rounds[-1] if rounds else {}
     per = elapsed_s / done if done else 0.0
     sampled = last.get("num_sampled", last.get("num_clients", 0))
-    return "  ".join(
+    return ", ".join(
         [
             metric_text(last),
             f"{last.get('num_clients', 0)}/{sampled} clients",

@@ -6,8 +6,17 @@ import io
 import json
 import time
 
+import pytest
+
 from client.round_log import append
 from fleetfit.cmd_federation import _print_rounds, _relay_lines, _RoundLogPrinter
+
+
+@pytest.fixture(autouse=True)
+def unbound_console(monkeypatch):
+    """The shared console on this test's sys.stderr, not one an earlier test's
+    ``main()`` bound to its own."""
+    monkeypatch.setattr("simulations.console._bound", None)
 
 
 def test_server_relays_the_stream_and_prints_the_table(tmp_path, capsys):

@@ -43,8 +43,8 @@ def test_row_and_status_texts():
         "round 1/2  perplexity 12.35  clients 2/3  train loss -  1.2 s"
     )
     status = format_status([round_record(1), round_record(2)], 5, 8.0)
-    assert status == "accuracy 0.7000  2/3 clients  4.0 s/round  eta 12 s"
-    assert format_status([], 5, 3.0).endswith("0.0 s/round  eta 0 s")
+    assert status == "accuracy 0.7000, 2/3 clients, 4.0 s/round, eta 12 s"
+    assert format_status([], 5, 3.0).endswith("0.0 s/round, eta 0 s")
 
 
 def follow(tmp_path, con: Console, rounds: int = 3) -> None:
@@ -78,7 +78,7 @@ def test_off_a_terminal_one_plain_line_per_round(tmp_path):
 def test_on_a_terminal_log_lines_print_above_the_bar(tmp_path, monkeypatch):
     buf = io.StringIO()
     con = Console(file=buf, force_terminal=True, width=150)
-    monkeypatch.setattr("simulations.console._console", con)
+    monkeypatch.setattr("simulations.console.bind", lambda: con)
     loop = logging.getLogger("server.loop")
     handler = log_handler()
     monkeypatch.setattr(loop, "handlers", [handler])
