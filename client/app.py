@@ -48,6 +48,7 @@ from flwr.supercore.differential_privacy import (
     compute_clip_model_update,
 )
 
+from client import round_log
 from client.config import (
     NodeConfig,
     available_memory_bytes,
@@ -185,8 +186,39 @@ def clipping_mod(
     return reply
 
 
+def _logged_round(handler: Handler) -> Handler:
+    """A failed round goes to the node's round log too (``client.round_log``)."""
+
+    @functools.wraps(handler)
+    def wrapped(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except Exception as e:
+            if round_log.round_log_path() is not None:
+                round_log.append(
+                    {
+                        "round": _server_round(msg),
+                        "kind": "error",
+                        "error": f"{type(e).__name__}: {e}",
+                    }
+                )
+            raise
+
+    return wrapped
+
+
+def _server_round(msg: Message) -> int | None:
+    """The round a train instruction belongs to, as far as it can be read."""
+    try:
+        config: dict = dict(_record(msg.content.config_records, keys.CONFIG) or {})
+        return int(config.get("server-round", msg.metadata.group_id))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 @app.train(mods=[clipping_mod])
 @_error_reply
+@_logged_round
 def train(msg: Message, context: Context) -> Message:
     node = _node(context)
     received = message_bytes(msg.content)
@@ -211,6 +243,15 @@ def train(msg: Message, context: Context) -> Message:
             reason=ins.reason,
             peak_method="ort-child" if evaluated and evaluated.ran else None,
             eval=evaluated,
+        )
+        round_log.append(
+            {
+                "round": ins.server_round,
+                "kind": "none",
+                "budget_bytes": node.budget_bytes,
+                "min_budget_bytes": ins.min_budget_bytes,
+                "reason": ins.reason,
+            }
         )
         return Message(reply.to_content(), reply_to=msg)
     workload = get_workload(
@@ -282,6 +323,21 @@ def train(msg: Message, context: Context) -> Message:
                 result.peak_bytes,
                 node.budget_bytes,
             )
+    round_log.append(
+        {
+            "round": ins.server_round,
+            "kind": ins.kind,
+            "window": list(ins.window) if ins.window else None,
+            "steps": result.steps,
+            "num_examples": result.num_examples,
+            "train_loss": result.mean_loss,
+            "train_s": result.train_s,
+            "peak_bytes": result.peak_bytes,
+            "baseline_bytes": result.baseline_bytes,
+            "budget_bytes": node.budget_bytes,
+            "peak_method": result.method,
+        }
+    )
     return Message(content, reply_to=msg)
 
 

@@ -38,8 +38,11 @@ def _setup_logging(verbose: bool) -> None:
     carries a console handler of its own, so its debug lines reached this handler and
     its warnings printed twice: here it loses its own handler and its level is ours.
     """
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    # On a terminal, through rich on the console the progress bars share, so log
+    # lines print above a live bar; elsewhere plain ``LEVEL name: message`` lines.
+    from simulations.console import log_handler
+
+    handler = log_handler()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)

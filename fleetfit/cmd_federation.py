@@ -8,8 +8,11 @@ fleetfit client --superlink 127.0.0.1:9091 --memory-budget 512MB \\
 ``server`` starts a SuperLink, waits for it, registers SuperNode public keys if asked,
 starts the run with ``flwr run`` (the ServerApp waits for ``--min-nodes`` nodes and
 samples every connected node each round) and returns when the run ends, stopping the
-SuperLink (also on Ctrl-C or an error). ``client`` starts a SuperNode with its budgets
-in the node config, on a free local port, and stops it on Ctrl-C. Without TLS options
+SuperLink (also on Ctrl-C or an error); meanwhile it shows a row per round and a
+progress bar (``simulations.progress``) under the run's streamed logs, and at the end
+the per-round table. ``client`` starts a SuperNode with its budgets in the node config,
+on a free local port, prints a line per round it trains in (``client.round_log``) and
+stops it on Ctrl-C, with a table of those rounds. Without TLS options
 both run insecure, with a warning; with ``--ssl-*`` (server) and
 ``--root-certificates`` (client) the links use TLS, and ``--enable-supernode-auth``
 with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
@@ -31,10 +34,11 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import typer
 
@@ -702,7 +706,7 @@ def run_server(args: argparse.Namespace) -> int:
                 )
             print(f"registered SuperNode key {key}", file=sys.stderr)
         print(f"{say} run config {run_config}", file=sys.stderr)
-        ran = subprocess.run(
+        returncode = _flwr_run(
             [
                 str(BIN / "flwr"),
                 "run",
@@ -712,10 +716,13 @@ def run_server(args: argparse.Namespace) -> int:
                 "--run-config",
                 run_config,
             ],
-            env=_env(cli_home),
-            cwd=APP_DIR,
+            _env(cli_home),
+            out,
+            num_rounds,
+            bar=getattr(args, "progress", True),
         )
-        failure = run_failure(out, num_rounds, ran.returncode)
+        _print_rounds(out)
+        failure = run_failure(out, num_rounds, returncode)
         if failure:
             print(f"{say} {failure}; see {out}/superlink.log", file=sys.stderr)
             return 1
@@ -726,6 +733,59 @@ def run_server(args: argparse.Namespace) -> int:
             stop(nginx)
         stop(superlink)
         shutil.rmtree(work / "loopback", ignore_errors=True)  # its private key
+
+
+def _flwr_run(
+    cmd: list[str], env: dict[str, str], out: Path, num_rounds: int, bar: bool = True
+) -> int:
+    """Run ``flwr run --stream`` to its end with a progress bar that follows the run
+    folder's summary (``simulations.progress``); the run's streamed logs are read
+    line by line and printed above the bar. Returns its exit code; stops it on
+    Ctrl-C or SIGTERM."""
+    from simulations.progress import RoundProgress
+
+    progress = RoundProgress(out / "summary.json", num_rounds, bar=bar)
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(env, PYTHONUNBUFFERED="1"),  # lines as they come, not in blocks
+        cwd=APP_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    relay = threading.Thread(target=_relay_lines, args=(proc.stdout,), daemon=True)
+    relay.start()
+    try:
+        returncode = proc.wait()
+        relay.join(timeout=5)  # the last lines, once the pipe closes
+        return returncode
+    finally:
+        stop(proc)
+        progress.close()
+
+
+def _relay_lines(stream: IO[str] | None) -> None:
+    """Print each line of ``stream`` through the shared console, above the bar."""
+    from simulations.console import say
+
+    if stream is None:
+        return
+    for line in stream:
+        say(line.rstrip("\r\n"))
+
+
+def _print_rounds(out: Path) -> None:
+    """The per-round table of the run folder's summary (as ``fleetfit simulate``
+    prints it), when it has rounds."""
+    from fleetfit.cmd_simulate import format_rounds
+
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        if summary.get("rounds"):
+            print(format_rounds(summary))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # run_failure says why
 
 
 def run_failure(out: Path, num_rounds: int, returncode: int) -> str:
@@ -828,8 +888,52 @@ def run_client(args: argparse.Namespace) -> int:
     if args.auth_private_key:
         cmd += ["--auth-supernode-private-key", args.auth_private_key]
     print(f"fleetfit client: {' '.join(node)} -> {args.superlink}", file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=_env(home))  # same process group: see _start
+    from client.round_log import ROUND_LOG_ENV, format_table
+
+    # The ClientApp (a child of the SuperNode, same environment) appends a line per
+    # round to this file; a thread prints each as it comes.
+    rounds = _RoundLogPrinter(home / "rounds.jsonl")
+    env = dict(_env(home), **{ROUND_LOG_ENV: str(rounds.path)})
+    proc = subprocess.Popen(cmd, env=env)  # same process group: see _start
     try:
         return proc.wait()
     finally:
         stop(proc)
+        entries = rounds.close()
+        if entries:
+            print(f"\nthe rounds this node took part in:\n{format_table(entries)}")
+
+
+class _RoundLogPrinter:
+    """Follows a SuperNode's round log (``client.round_log``) from a thread and
+    prints one line per round through the shared console."""
+
+    def __init__(self, path: Path, interval_s: float = 0.5) -> None:
+        from client.round_log import RoundLogReader
+
+        self.path = path
+        self.reader = RoundLogReader(path)
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def close(self) -> list[dict]:
+        """Print what is left, stop following; every entry read."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._print()
+        return self.reader.entries
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._print()
+
+    def _print(self) -> None:
+        from client.round_log import format_entry
+        from simulations.console import say
+
+        with self._lock:
+            for entry in self.reader.read():
+                say(format_entry(entry))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,18 @@ def test_a_restarted_server_on_its_database_finds_the_running_supernodes(tmp_pat
             assert done.returncode == 0, done.stderr[-3000:]
         rounds = json.loads((out / "summary.json").read_text())["rounds"]
         assert [r["round"] for r in rounds] == [1, 2]
+        # what the resumed server showed: a row per round, then the table
+        assert "round 2/2  accuracy " in done.stderr, done.stderr[-3000:]
+        table = done.stdout.splitlines()
+        assert table[0].split()[:3] == ["round", "clients", "accuracy"], done.stdout
+        assert [row.split()[:2] for row in table[1:3]] == [["1", "2/2"], ["2", "2/2"]]
+        # and each device: a line per round it trained in, with its peak and budget
+        deadline = time.monotonic() + 10
+        while "round 2: full" not in (log := (tmp_path / "client0.log").read_text()):
+            assert time.monotonic() < deadline, log[-3000:]
+            time.sleep(0.5)
+        assert "round 1: full, 2 steps on " in log
+        assert "(budget 488.28 MiB, runtime " in log, log[-3000:]
         for r in rounds:
             ok = [a for a in r["assignments"] if a["status"] == "ok"]
             assert len(ok) == 2, r["assignments"]
