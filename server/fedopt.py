@@ -105,7 +105,9 @@ class ServerOptConfig:
             return ValueError(f"{what} {key}={value!r} is invalid: {rule}")
 
         if self.name not in SERVER_OPTS:
-            raise bad("server-opt", self.name, f"choose one of {', '.join(SERVER_OPTS)}")
+            raise bad(
+                "server-opt", self.name, f"choose one of {', '.join(SERVER_OPTS)}"
+            )
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise bad("server-lr", self.lr, "must be > 0, or 0 for the default")
         for key, value in (
@@ -119,7 +121,9 @@ class ServerOptConfig:
             raise bad("server-tau", self.tau, "must be a positive number (1e-3)")
         if self.aggregation not in AGGREGATIONS:
             raise bad(
-                "aggregation", self.aggregation, f"choose one of {', '.join(AGGREGATIONS)}"
+                "aggregation",
+                self.aggregation,
+                f"choose one of {', '.join(AGGREGATIONS)}",
             )
         if not 0 <= self.trim_fraction < 0.5:
             raise bad("trim-fraction", self.trim_fraction, "must be in [0, 0.5)")

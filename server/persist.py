@@ -302,8 +302,9 @@ def save_state(
         "summary": summary,
         "strategy": strategy,
     }
+    opt_name = f"server-opt-{server_round:06d}.safetensors"
     if server_opt is not None:
-        state["server_opt"] = f"server-opt-{server_round:06d}.safetensors"
+        state["server_opt"] = opt_name
     if staged is None:
         with Staged() as own:
             save_state(
@@ -313,7 +314,7 @@ def save_state(
         return
     staged.model(d / name, model_state, {"round": str(server_round)})
     if server_opt is not None:
-        staged.model(d / state["server_opt"], server_opt, {"round": str(server_round)})
+        staged.model(d / opt_name, server_opt, {"round": str(server_round)})
     staged.bytes(d / STATE_FILE, json_bytes(state, indent=1))
 
 

@@ -13,7 +13,7 @@ from server import persist
 from server.aggregate import Update, robust_average, weighted_average
 from server.config import FleetConfig, PrivacyConfig, ServerConfig
 from server.fedopt import ServerOptConfig, ServerOptimizer
-from server.persist import load_model, load_state, load_server_opt_state
+from server.persist import load_model, load_server_opt_state, load_state
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, digits_mins, federate, nodes
 from workloads import get_workload
@@ -135,9 +135,7 @@ def test_state_saved_and_restored_bit_for_bit(tmp_path):
     uninterrupted run's bit for bit."""
     gen = torch.Generator().manual_seed(0)
     keys = ["w", "b"]
-    aggs = [
-        {k: torch.randn(4, 3, generator=gen) for k in keys} for _ in range(4)
-    ]
+    aggs = [{k: torch.randn(4, 3, generator=gen) for k in keys} for _ in range(4)]
     masks = [{"w", "b"}, {"w"}, {"w", "b"}, {"w", "b"}]
 
     def run(opt, x, rounds):
@@ -245,9 +243,7 @@ def test_fedadam_federation_with_part_windows_resumes_bit_identical(tmp_path, ca
     )
     whole = federate(config(tmp_path / "a", **common), FakeGrid(nodes(2)))
     assert all(r["num_clients"] == 2 for r in whole["rounds"])
-    assert all(
-        a["kind"] == "part" for r in whole["rounds"] for a in r["assignments"]
-    )
+    assert all(a["kind"] == "part" for r in whole["rounds"] for a in r["assignments"])
     federate(
         config(tmp_path / "b", **{**common, "num_server_rounds": 1}),
         FakeGrid(nodes(2)),
