@@ -138,3 +138,25 @@ def test_assigned_part_window_is_pulled_towards_the_global_model():
         return sum(float((r.state[k] - state[k]).square().sum()) for k in r.state)
 
     assert dist(50.0) < dist(0.0)
+
+
+def test_measured_child_applies_the_term_as_inline_does():
+    wl, batches = _setup("digits-cnn", steps=2)
+    state = wl.make_model(0).state_dict()
+    runs = [
+        train_assigned(
+            state,
+            wl,
+            batches,
+            num_examples=10,
+            torch_seed=0,
+            plan=None,
+            window=None,
+            lr=LR,
+            measure=measure,
+            proximal_mu=MU,
+        ).state
+        for measure in ("inline", "child")
+    ]
+    for k, v in runs[0].items():
+        assert torch.equal(runs[1][k], v), k
