@@ -293,6 +293,7 @@ def train(msg: Message, context: Context) -> Message:
         lr=shape.lr,
         measure=resolve_measure(ins.measure, node.budget_source),
         offload_dir=node.offload_dir,
+        proximal_mu=shape.proximal_mu,
     )
     del state
     reply = TrainReply(

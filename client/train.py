@@ -133,11 +133,16 @@ def train_chain(
     window: tuple[int, int] | None,
     lr: float,
     offload_dir: str | None = None,
+    proximal_mu: float = 0.0,
 ) -> tuple[list[float], list[str]]:
-    """Train ``model`` in place on ``batches``; return the losses and trained keys."""
+    """Train ``model`` in place on ``batches``; return the losses and trained keys.
+    ``proximal_mu`` > 0: FedProx's term towards the received weights, on every path
+    (``memory.proximal``; refused for parameters streamed from disk)."""
     keys = freeze_for_window(model, window)
     if window is None and plan is None:
-        return plain_steps(model, loss_fn, batches, lr=lr), keys
+        return plain_steps(
+            model, loss_fn, batches, lr=lr, proximal_mu=proximal_mu
+        ), keys
     losses: list[float] = []
     blocks = as_blocks(model)
     start = 0 if window is None else window[0]
@@ -166,7 +171,9 @@ def train_chain(
         if batches
         else plan.num_microbatches,
     )
-    with LocalExecutor(chain, loss_fn, plan, lr=lr, offload_dir=offload_dir) as ex:
+    with LocalExecutor(
+        chain, loss_fn, plan, lr=lr, offload_dir=offload_dir, proximal_mu=proximal_mu
+    ) as ex:
         for inputs, targets in batches:
             x = inputs
             if prefix:
@@ -189,6 +196,7 @@ def train_units(
     offload_dir: str | None = None,
     init_state: StateSource | None = None,
     save_to: str | None = None,
+    proximal_mu: float = 0.0,
 ) -> tuple[list[float], list[str]]:
     """``train_chain`` for a workload planned per unit: train ``model`` in place on
     ``batches`` (``(inputs, targets)`` of any structure) through
@@ -226,7 +234,7 @@ def train_units(
         plan,
         units=units,
         loss_fn=loss_fn,
-        settings=TrainSettings(lr=lr),
+        settings=TrainSettings(lr=lr, proximal_mu=proximal_mu),
         offload_dir=offload_dir,
         init_state=init_state,
     )
@@ -254,6 +262,7 @@ def train_model(
     window: tuple[int, int] | None,
     lr: float,
     offload_dir: str | None = None,
+    proximal_mu: float = 0.0,
 ) -> tuple[list[float], list[str]]:
     """``train_units`` for an ``any_model`` workload, else ``train_chain``.
 
@@ -269,6 +278,7 @@ def train_model(
             window=window,
             lr=lr,
             offload_dir=offload_dir,
+            proximal_mu=proximal_mu,
         )
     return train_chain(
         model,
@@ -278,6 +288,7 @@ def train_model(
         window=window,
         lr=lr,
         offload_dir=offload_dir,
+        proximal_mu=proximal_mu,
     )
 
 
@@ -292,6 +303,7 @@ def train_window_job(run: ChildRun) -> list[float]:
         window=None if window is None else (window[0], window[1]),
         lr=run.lr,
         offload_dir=run.offload_dir,
+        proximal_mu=float(run.options.get("proximal-mu", 0.0)),
     )
     if run.workload.any_model:  # weights read unit by unit within the plan
         losses, _ = train_units(
@@ -320,8 +332,10 @@ def train_assigned(
     lr: float,
     measure: str,
     offload_dir: str | None = None,
+    proximal_mu: float = 0.0,
 ) -> TrainResult:
-    """Train under an assignment and measure the peak of the work (see module doc)."""
+    """Train under an assignment and measure the peak of the work (see module doc).
+    ``proximal_mu``: FedProx's term towards ``model_state`` (0: none)."""
     if measure == "child":
         state, m = train_in_child(
             train_window_job,
@@ -334,7 +348,10 @@ def train_assigned(
             initial_state=model_state,
             init="stream" if workload.any_model else "copy",
             read_back=True,
-            options={"window": None if window is None else list(window)},
+            options={
+                "window": None if window is None else list(window),
+                "proximal-mu": proximal_mu,
+            },
             offload_dir=offload_dir,
             timeout_s=600,
         )
@@ -368,6 +385,7 @@ def train_assigned(
         window=window,
         lr=lr,
         offload_dir=offload_dir,
+        proximal_mu=proximal_mu,
     )
     train_s = time.perf_counter() - t0
     peak = max(0, peak_rss_bytes() - rss0)

@@ -46,6 +46,7 @@ from memory.materialize import (
     params_on_meta,
     streamed_parameter_ids,
 )
+from memory.proximal import ProximalTerm
 from memory.spec import MemoryPlan
 from memory.units import call_model, find_units, no_kv_cache
 
@@ -61,6 +62,8 @@ class TrainSettings:
         accumulate_steps: calls of ``step`` whose gradients add up before one update
             (each call's loss weighted 1 / accumulate_steps).
         lr_schedule: ``lr_schedule(update_index) -> factor`` on ``lr`` (None: 1).
+        proximal_mu: FedProx's ``mu / 2 * ||w - w0||^2`` towards the weights the
+            trainer starts from (``memory.proximal``); 0: none.
     """
 
     lr: float = 1e-3
@@ -70,6 +73,7 @@ class TrainSettings:
     clip_norm: float | None = None
     accumulate_steps: int = 1
     lr_schedule: Callable[[int], float] | None = None
+    proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -142,6 +146,11 @@ class PlannedTrainer:
         baseline_bytes: int | None = None,
         init_state: StateSource | None = None,
     ) -> None:
+        ProximalTerm.refuse(  # before any file is opened
+            (settings or TrainSettings()).proximal_mu,
+            (b.name for b in plan.blocks if b.state == "stream"),
+            "PlannedTrainer",
+        )
         values = None
         if has_meta_parameters(model):
             if init_state is None or units is None:
@@ -192,6 +201,10 @@ class PlannedTrainer:
             self.head.weight_rows = self.applied.streamer.weight_rows
         streamed = self.applied.streamer.stream_ids if self.applied.streamer else set()
         self.optimizer = make_optimizer(model, self.settings, exclude=streamed)
+        self.proximal = ProximalTerm(
+            self.optimizer.param_groups[0]["params"] if self.optimizer else [],
+            self.settings.proximal_mu,
+        )
         # the run-time guard: each unit's forward (and rerun) checks the resident set
         self.guard = (
             MemoryGuard(memory_budget_bytes, baseline_bytes=baseline_bytes)
@@ -363,6 +376,7 @@ class PlannedTrainer:
         s = self.settings
         streamer = self.applied.streamer
         coef = None
+        self.proximal.add_to_grads()  # part of the loss: before clipping
         if s.clip_norm is not None:
             coef = self._clip(s.clip_norm)
         if self.optimizer is not None:

@@ -43,6 +43,7 @@ from torch import nn
 from memory.blocks import as_blocks
 from memory.errors import MemoryPlanError
 from memory.offload import ActivationOffload, OffloadedActivations
+from memory.proximal import ProximalTerm
 from memory.recompute import (
     RecomputeRecord,
     checkpoint_block,
@@ -104,6 +105,7 @@ class LocalExecutor:
         offload_dir: str | os.PathLike | None = None,
         device: str | torch.device = "cpu",
         init_state: Callable[[str], torch.Tensor] | None = None,
+        proximal_mu: float = 0.0,
     ) -> None:
         if optimizer.lower() != "adamw":
             raise ValueError(f"optimizer {optimizer!r} is not supported; use 'adamw'")
@@ -125,6 +127,11 @@ class LocalExecutor:
         self.schedule = compile_plan(plan)
         validate(self.schedule)
         self.streamed = self.schedule.streamed
+        ProximalTerm.refuse(
+            proximal_mu,
+            (plan.blocks[i].name for i in sorted(self.streamed)),
+            "LocalExecutor",
+        )
         self._check_plan()
         self._placeholders = self._swap_meta_parameters()
         self._tie_params()
@@ -153,6 +160,7 @@ class LocalExecutor:
             if resident
             else None
         )
+        self.proximal = ProximalTerm(resident, proximal_mu)
 
     # ------------------------------------------------------------ setup
 
@@ -517,6 +525,7 @@ class LocalExecutor:
 
     def _do_STEP(self, a: Action) -> None:
         assert self.optimizer is not None
+        self.proximal.add_to_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -54,6 +54,7 @@ from memory.measure import (
     rss_bytes,
     target_name,
 )
+from memory.proximal import ProximalTerm
 from memory.spec import MemoryPlan
 from memory.tensorfile import TensorFile
 from workloads import Workload, get_workload
@@ -203,17 +204,21 @@ def plain_steps(
     batches: Any,
     *,
     lr: float,
+    proximal_mu: float = 0.0,
 ) -> list[float]:
     """Train ``model`` in place, one torch AdamW step per ``(inputs, targets)`` batch
     (other AdamW settings: torch's defaults, over ``model.parameters()``); return the
     losses. Gradients are freed after each step (``zero_grad(set_to_none=True)``), so
-    no step's forward holds the previous step's."""
+    no step's forward holds the previous step's. ``proximal_mu`` > 0: FedProx's term
+    towards the starting weights (``memory.proximal``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    prox = ProximalTerm(model.parameters(), proximal_mu)
     model.train()
     losses: list[float] = []
     for inputs, targets in batches:
         loss = loss_fn(model(inputs), targets)
         loss.backward()
+        prox.add_to_grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

@@ -13,7 +13,10 @@ then clipped to ``weight-clip`` times the round's lower median count
 
 Averaging is per key: a weighted mean (by example count) over the updates that carry
 the key; keys nobody trained keep the global value. It runs in a fixed order (by
-partition id), so two runs with the same seed aggregate to the same bits.
+partition id), so two runs with the same seed aggregate to the same bits. The robust
+alternatives (``robust_average``: a coordinate-wise median or trimmed mean, Flower's
+FedMedian and FedTrimmedAvg) are unweighted, as Flower's are, over the same per-key
+sets of updates; weight-clip does not apply to them.
 """
 
 from __future__ import annotations
@@ -89,6 +92,45 @@ def weighted_average(
             out[key] = acc.to(ref.dtype)
         else:
             out[key] = torch.stack([u.state[key] for u in have]).amax(0)
+    return out
+
+
+def robust_average(
+    updates: list[Update],
+    reference: dict[str, torch.Tensor],
+    *,
+    how: str,
+    trim_fraction: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Per-key coordinate-wise ``median`` or ``trimmed-mean`` of valid updates,
+    unweighted (example counts do not enter), over the updates that carry the key.
+
+    ``median``: of an even number of values, the mean of the two middle ones (numpy's
+    and Flower's FedMedian). ``trimmed-mean``: ``int(trim_fraction * n)`` values cut
+    at each end, the rest averaged (Flower's FedTrimmedAvg with ``beta``). Computed in
+    float64 and cast back; integer buffers take the largest value and keys nobody
+    sent keep the reference value, as in ``weighted_average``.
+    """
+    assert how in ("median", "trimmed-mean"), how
+    ordered = sorted(updates, key=lambda u: (u.partition_id, u.node_id))
+    out: dict[str, torch.Tensor] = {}
+    for key, ref in reference.items():
+        have = [u.state[key] for u in ordered if key in u.state]
+        if not have:
+            out[key] = ref.clone()
+            continue
+        if not ref.is_floating_point():
+            out[key] = torch.stack(have).amax(0)
+            continue
+        values = torch.stack([v.to(torch.float64) for v in have]).sort(dim=0).values
+        n = len(have)
+        if how == "median":
+            lo, hi = (n - 1) // 2, n // 2
+            mid = (values[lo] + values[hi]) / 2 if lo != hi else values[lo]
+        else:
+            cut = int(trim_fraction * n)
+            mid = values[cut : n - cut].mean(0)
+        out[key] = mid.to(ref.dtype)
     return out
 
 

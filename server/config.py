@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from memory.sizes import parse_bytes
+from server.fedopt import ServerOptConfig
 from wire.flat import flat_key, from_flat, to_flat
 from wire.instruction import MEASURES
 from wire.keys import FLEET_DISK, FLEET_KEYS, FLEET_MEMORY, FLEET_SPEEDS
@@ -183,6 +184,10 @@ class ServerConfig:
     #   [export-quantize] [eval-runtime] [eval-only]
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     #   [dp-clipping-norm] [dp-noise-multiplier]
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    #   [server-opt] [server-lr] [server-momentum] [server-beta1] [server-beta2]
+    #   [server-tau] [aggregation] [trim-fraction]: the server optimiser and the
+    #   per-key aggregate it steps with (server/fedopt.py)
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerConfig:
@@ -211,6 +216,10 @@ class ServerConfig:
             raise bad("split", shape.split, f"choose one of {', '.join(SPLITS)}")
         if not (math.isfinite(shape.dirichlet_alpha) and shape.dirichlet_alpha > 0):
             raise bad("dirichlet-alpha", shape.dirichlet_alpha, "must be > 0")
+        if not (math.isfinite(shape.proximal_mu) and shape.proximal_mu >= 0):
+            raise bad(
+                "proximal-mu", shape.proximal_mu, "must be >= 0 (0: no proximal term)"
+            )
         if not 0 < self.fraction_train <= 1:
             raise bad("fraction-train", self.fraction_train, "must be in (0, 1]")
         if self.min_nodes < 1:
@@ -257,6 +266,14 @@ class ServerConfig:
                 "dp-noise-multiplier",
                 privacy.noise_multiplier,
                 "needs dp-clipping-norm > 0 (noise is scaled by the clipping norm)",
+            )
+        self.server_opt.validate(what)
+        if self.server_opt.aggregation != "mean" and privacy.clipping_norm > 0:
+            raise bad(
+                "aggregation",
+                self.server_opt.aggregation,
+                "central DP (dp-clipping-norm > 0) averages the clipped changes "
+                "uniformly; use aggregation=mean with it",
             )
         if self.strategy not in STRATEGIES:
             raise bad("strategy", self.strategy, " or ".join(STRATEGIES))

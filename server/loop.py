@@ -19,9 +19,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from memory.sizes import format_bytes
 from server import persist, privacy
-from server.aggregate import Update, accept_updates, clip_weights, weighted_average
+from server.aggregate import (
+    Update,
+    accept_updates,
+    clip_weights,
+    robust_average,
+    weighted_average,
+)
 from server.assign import Assigner, Assignment
 from server.config import ServerConfig
+from server.fedopt import ServerOptimizer
 from server.onnx_rounds import OnnxRounds
 from wire import keys
 from wire.facts import NodeFacts
@@ -65,6 +72,22 @@ class Federation:
             train_time_s=cfg.train_time,
             strategy=cfg.strategy,
         )
+        self.server_opt = ServerOptimizer(
+            cfg.server_opt,
+            (
+                name
+                for name, p in self.model.named_parameters(remove_duplicate=False)
+                if p.is_floating_point()
+            ),
+        )
+        for key in cfg.server_opt.ignored():
+            log.warning(
+                "run-config %s is set but server-opt=%s (aggregation=%s) does not "
+                "use it",
+                key,
+                cfg.server_opt.name,
+                cfg.server_opt.aggregation,
+            )
         self.start_round = 1
         self.summary: dict[str, Any] = {
             "schema": persist.SCHEMA_VERSION,
@@ -179,7 +202,7 @@ class Federation:
             return
         server_round, state, summary, _strategy = saved
         old = summary.get("config", {})
-        for key in ("workload", "seed", "batch-size", "seq-len"):
+        for key in ("workload", "seed", "batch-size", "seq-len", "server-opt"):
             if key in old and old[key] != self.cfg.to_run_config()[key]:
                 raise ValueError(
                     f"cannot resume {self.out}: it was run with {key}={old[key]!r}, "
@@ -192,6 +215,16 @@ class Federation:
                 f"cannot resume {self.out}: its saved model does not fit "
                 f"{self.cfg.shape.workload} ({str(e).splitlines()[0][:200]})"
             ) from None
+        if self.server_opt.active:
+            opt_state = persist.load_server_opt_state(self.out)
+            if opt_state is None:
+                log.warning(
+                    "resume: %s holds no server optimiser state; %s starts afresh",
+                    self.out,
+                    self.cfg.server_opt.name,
+                )
+            else:
+                self.server_opt.load_state_dict(opt_state)
         summary["config"] = self.cfg.to_run_config()
         self.summary = summary
         self.start_round = server_round + 1
@@ -258,12 +291,26 @@ class Federation:
                 noise_multiplier=cfg.privacy.noise_multiplier,
                 counts=counts,
             )
-            self.model.load_state_dict(new_state)
+            self.model.load_state_dict(
+                self.server_opt.step(reference, new_state, _trained(accepted))
+            )
         elif changed:
-            weighted = clip_weights(accepted, cfg.weight_clip)
-            for w in weighted:  # what each update weighed (weight-clip)
-                reports[w.node_id]["counted_examples"] = w.num_examples
-            self.model.load_state_dict(weighted_average(weighted, reference))
+            how = cfg.server_opt.aggregation
+            if how == "mean":
+                weighted = clip_weights(accepted, cfg.weight_clip)
+                for w in weighted:  # what each update weighed (weight-clip)
+                    reports[w.node_id]["counted_examples"] = w.num_examples
+                aggregate = weighted_average(weighted, reference)
+            else:  # unweighted: no update has a weight to report
+                aggregate = robust_average(
+                    accepted,
+                    reference,
+                    how=how,
+                    trim_fraction=cfg.server_opt.trim_fraction,
+                )
+            self.model.load_state_dict(
+                self.server_opt.step(reference, aggregate, _trained(accepted))
+            )
         elif sampled:
             msg = (
                 f"round {server_round}: {len(accepted)} accepted update(s), fewer than "
@@ -457,7 +504,13 @@ class Federation:
             },
             self.summary,
             strategy,
+            self.server_opt.state_dict() if self.server_opt.active else None,
         )
+
+
+def _trained(updates: list[Update]) -> frozenset[str]:
+    """The keys some accepted update carries: the ones trained this round."""
+    return frozenset(k for u in updates for k in u.state)
 
 
 def _reason(reply: Message) -> str:

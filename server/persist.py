@@ -272,6 +272,7 @@ def plot_rounds(out: str | Path, summary: dict[str, Any]) -> Path:
 STATE_DIR = "state"
 STATE_FILE = "state.json"
 _MODEL_NAME = re.compile(r"^model-[0-9]+\.safetensors$")  # a plain name in state/
+_OPT_NAME = re.compile(r"^server-opt-[0-9]+\.safetensors$")
 
 
 def save_state(
@@ -281,13 +282,15 @@ def save_state(
     summary: dict[str, Any],
     strategy: dict[str, Any],
     staged: Staged | None = None,
+    server_opt: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Save what a resumed run needs after ``server_round``, atomically.
 
-    The model goes to ``state/model-<round>.safetensors`` first; then ``state.json``
-    (round, summary, strategy state, the model's file name) replaces the old one in
-    one ``os.replace``; older model files are removed last. A crash at any point
-    leaves a consistent pair: the old one or the new one. With ``staged``, both are
+    The model goes to ``state/model-<round>.safetensors`` first (and the server
+    optimiser's state, when given, to ``state/server-opt-<round>.safetensors``); then
+    ``state.json`` (round, summary, strategy state, the files' names) replaces the old
+    one in one ``os.replace``; older files are removed last. A crash at any point
+    leaves a consistent set: the old one or the new one. With ``staged``, all are
     moved into place with the caller's other files (``save_round``).
     """
     d = Path(out) / STATE_DIR
@@ -299,21 +302,31 @@ def save_state(
         "summary": summary,
         "strategy": strategy,
     }
+    opt_name = f"server-opt-{server_round:06d}.safetensors"
+    if server_opt is not None:
+        state["server_opt"] = opt_name
     if staged is None:
         with Staged() as own:
-            save_state(out, server_round, model_state, summary, strategy, own)
+            save_state(
+                out, server_round, model_state, summary, strategy, own, server_opt
+            )
         remove_old_state_models(out, server_round)
         return
     staged.model(d / name, model_state, {"round": str(server_round)})
+    if server_opt is not None:
+        staged.model(d / opt_name, server_opt, {"round": str(server_round)})
     staged.bytes(d / STATE_FILE, json_bytes(state, indent=1))
 
 
 def remove_old_state_models(out: str | Path, server_round: int) -> None:
-    """Remove the model files of ``state/`` other than ``server_round``'s."""
-    name = f"model-{server_round:06d}.safetensors"
-    for old in (Path(out) / STATE_DIR).glob("model-*.safetensors"):
-        if old.name != name:
-            old.unlink(missing_ok=True)
+    """Remove the model (and server optimiser) files of ``state/`` other than
+    ``server_round``'s."""
+    keep = f"-{server_round:06d}.safetensors"
+    d = Path(out) / STATE_DIR
+    for pattern in ("model-*.safetensors", "server-opt-*.safetensors"):
+        for old in d.glob(pattern):
+            if not old.name.endswith(keep):
+                old.unlink(missing_ok=True)
 
 
 def save_round(
@@ -323,8 +336,10 @@ def save_round(
     model_metadata: dict[str, Any],
     summary: dict[str, Any],
     strategy: dict[str, Any],
+    server_opt: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """The run folder after ``server_round``: the resume state, ``model.safetensors``,
+    """The run folder after ``server_round``: the resume state (with the server
+    optimiser's, ``server_opt``, when given), ``model.safetensors``,
     ``summary.json`` and ``summary.csv``, all naming that round.
 
     Every file is written in full before any is moved into place (``Staged``), so a
@@ -334,7 +349,9 @@ def save_round(
     """
     out = Path(out)
     with Staged() as staged:
-        save_state(out, server_round, model_state, summary, strategy, staged)
+        save_state(
+            out, server_round, model_state, summary, strategy, staged, server_opt
+        )
         staged.model(out / MODEL_FILE, model_state, model_metadata)
         write_summary(out, summary, staged)
     remove_old_state_models(out, server_round)
@@ -377,3 +394,35 @@ def load_state(
             f"{meta.get('round')!r}; the state folder was edited by hand; {fix}"
         )
     return state["round"], model, state["summary"], state.get("strategy", {})
+
+
+def load_server_opt_state(out: str | Path) -> dict[str, torch.Tensor] | None:
+    """The server optimiser's state saved with ``out``'s resume state (exact tensors),
+    or None where none was saved (a fedavg run, or a run from before it was kept)."""
+    d = Path(out) / STATE_DIR
+    path = d / STATE_FILE
+    if not path.exists():
+        return None
+    fix = f"restore {d} from a backup, or move it away to start the run from round 1"
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    name = state.get("server_opt") if isinstance(state, dict) else None
+    if name is None:
+        return None
+    if not isinstance(name, str) or _OPT_NAME.match(name) is None:
+        raise CheckpointError(
+            f"{path}: server_opt={name!r} is not a server-opt-<round>.safetensors "
+            f"name; {fix}"
+        )
+    try:
+        tensors, meta = load_model(d / name)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise CheckpointError(f"{e}; {fix}") from e
+    if meta.get("round") != str(state.get("round")):
+        raise CheckpointError(
+            f"{d}: state.json says round {state.get('round')} but {name} says "
+            f"{meta.get('round')!r}; the state folder was edited by hand; {fix}"
+        )
+    return tensors

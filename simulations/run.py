@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ExportConfig, FleetConfig, ServerConfig
+from server.fedopt import ServerOptConfig
 from simulations.progress import RoundProgress
 from wire.shape import RunShape
 
@@ -72,6 +73,9 @@ class SimulationSettings:
     #   held-out windows of the central evaluation
     export: ExportConfig = field(default_factory=ExportConfig)  # [export-onnx]
     #   [export-quantize] [eval-runtime] [eval-only]
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    #   [server-opt] [server-lr] ... [aggregation] [trim-fraction]: the server
+    #   optimiser and aggregation (server/fedopt.py)
     progress: bool = False  # a progress bar on stderr, one step per round
     ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
     #   start a local Ray on this machine
@@ -88,6 +92,7 @@ class SimulationSettings:
             strategy=self.strategy,
             eval_windows=self.eval_windows,
             export=self.export,
+            server_opt=self.server_opt,
         )
         cfg.validate()
         return cfg

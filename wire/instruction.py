@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,12 @@ class TrainInstruction:
         if ins.eval_runtime not in EVAL_RUNTIMES:
             raise ValueError(
                 f"train instruction eval-runtime={ins.eval_runtime!r}: '' or onnxruntime"
+            )
+        mu = ins.shape.proximal_mu
+        if not (math.isfinite(mu) and mu >= 0):
+            raise ValueError(
+                f"train instruction proximal-mu={mu!r}: a number >= 0 (0: no "
+                "proximal term)"
             )
         if ins.measure not in MEASURES:
             raise ValueError(

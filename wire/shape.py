@@ -34,6 +34,9 @@ class RunShape:
     batch_size: int = 0  # [batch-size] examples per step; 0: the workload's default
     seq_len: int = 0  # [seq-len] tokens per example (language models); 0: the
     #   workload's default
+    proximal_mu: float = 0.0  # [proximal-mu] FedProx: mu / 2 * ||w - w_global||^2
+    #   added to every client's loss (mu in 1 / the loss's units per squared
+    #   parameter unit); 0: none
 
 
 __all__ = ["RunShape"]
