@@ -49,9 +49,20 @@ def _example(workload):
     return wl, inputs, split_batch(inputs, targets)
 
 
-def _reference(workload, steps=1, lr=1e-3):
+def _reference(workload, steps=1, lr=1e-3, threads=None):
     """Losses of ``steps`` AdamW steps of the unsplit model and its first gradients,
-    every name (tied names both listed)."""
+    every name (tied names both listed); ``threads``: torch's threads meanwhile (the
+    pipeline's ranks run one each, and LayerNorm's backward sums by thread)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _reference_steps(workload, steps, lr)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference_steps(workload, steps, lr):
     wl, inputs, _ = _example(workload)
     model = wl.make_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -234,6 +245,19 @@ def test_gpt2_three_processes_match_one(tmp_path):
 
 
 @pytest.mark.distributed
+def test_gpt2_one_microbatch_is_bit_for_bit(tmp_path):
+    """GPipe over 3 ranks, one micro-batch: every loss and gradient, the tied
+    weight's sum across ranks 0 and 2 included, equals one single-threaded process
+    exactly."""
+    plan = _fixed(GPT2, GPT2_CUTS, "GPipe", 1, {})
+    res, got = _pipelined(tmp_path, GPT2, plan)
+    losses, grads = _reference(GPT2, steps=2, threads=1)
+    assert res["losses"] == losses
+    for n, g in grads.items():
+        assert torch.equal(got[n], g), n
+
+
+@pytest.mark.distributed
 def test_llama_two_processes_match_one(tmp_path):
     """GPipe over 2 ranks, 2 micro-batches; stage 0 offloads its layer's activations
     to files, stage 1 recomputes one layer."""
@@ -249,3 +273,27 @@ def test_llama_two_processes_match_one(tmp_path):
     plan = _fixed(LLAMA, LLAMA_CUTS, "GPipe", 2, {0: off, 1: rec})
     res, got = _pipelined(tmp_path, LLAMA, plan)
     _compare(res, got, _reference(LLAMA, steps=2))
+
+
+def test_cli_plans_a_transformers_model_over_its_units(tmp_path, capsys):
+    """``fleetfit partition plan --workload module:function`` on GPT-2: profiled per
+    unit, every unit in exactly one stage, in order."""
+    import json
+
+    from fleetfit.cli import main
+
+    cluster = tmp_path / "two.toml"
+    cluster.write_text(
+        'name = "two"\n[network]\nbandwidth = "1GB/s"\n'
+        + "".join(
+            f'[[hosts]]\nname = "h{i}"\nmemory = "1GB"\ncompute = "1GFLOP/s"\n'
+            for i in range(2)
+        )
+    )
+    rc = main(
+        ["partition", "plan", "--workload", GPT2, "--cluster", str(cluster), "--json"]
+    )
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plan"]
+    blocks = [b for s in plan["stages"] for b in s["blocks"]]
+    assert blocks == [n for c in GPT2_CUTS for n in c]
