@@ -66,7 +66,12 @@ class Family:
     def units(self, model: nn.Module) -> list[str]:
         """The unit names in forward order (those ``memory.units`` finds)."""
         n = len(model.get_submodule(self.layers))
-        return [*self.embed, *(f"{self.layers}.{i}" for i in range(n)), self.norm, self.head]
+        return [
+            *self.embed,
+            *(f"{self.layers}.{i}" for i in range(n)),
+            self.norm,
+            self.head,
+        ]
 
 
 GPT2 = Family(
@@ -76,7 +81,9 @@ GPT2 = Family(
     "transformer.ln_f",
     "lm_head",
 )
-LLAMA = Family("llama", ("model.embed_tokens",), "model.layers", "model.norm", "lm_head")
+LLAMA = Family(
+    "llama", ("model.embed_tokens",), "model.layers", "model.norm", "lm_head"
+)
 FAMILIES = (GPT2, LLAMA)
 
 
@@ -103,8 +110,30 @@ def family_of(model: nn.Module) -> Family:
     raise StageError(
         f"{type(model).__name__} is not a transformers causal LM laid out as GPT-2 "
         "(transformer.wte/wpe/h/ln_f, lm_head) or Llama (model.embed_tokens/layers/"
-        "norm/rotary_emb, lm_head); the pipeline runtime cuts only those into stages"
+        "norm/rotary_emb, lm_head); the pipeline runtime cuts only those into "
+        "stages (other models train with `fleetfit memory` and in federations)"
     )
+
+
+def require_causal_lm(workload: Any) -> None:
+    """Refuse, before planning, a ``module:function`` workload whose model or batch
+    the stages cannot run (``family_of``, ``split_batch``).
+
+    Raises:
+        StageError: one line naming the workload and why.
+    """
+    assert workload.example is not None, f"{workload.name} has no example batch"
+    inputs, targets, loss_fn = workload.example
+    try:
+        family_of(workload.make_model(0))
+        split_batch(inputs, targets)
+        if loss_fn is not None:
+            raise StageError(
+                "it brings its own loss_fn; pipelined transformers models train on "
+                "their own causal-LM loss: put labels in the inputs and return None"
+            )
+    except StageError as e:
+        raise StageError(f"workload {workload.name}: {e}") from None
 
 
 def _context(model: nn.Module, fam: Family, h: torch.Tensor) -> dict[str, Any]:
@@ -187,13 +216,17 @@ class CausalLMStage(nn.Module):
         for n in names:
             if n not in owned:
                 parent, _, leaf = n.rpartition(".")
-                setattr(self.get_submodule(parent) if parent else self, leaf, nn.Identity())
+                setattr(
+                    self.get_submodule(parent) if parent else self, leaf, nn.Identity()
+                )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx: dict[str, Any] = {}
         h = x
         for name, step in self._steps:
-            if "attention_mask" not in ctx and name.startswith(self.family.layers + "."):
+            if "attention_mask" not in ctx and name.startswith(
+                self.family.layers + "."
+            ):
                 ctx = _context(self, self.family, h)
             elif "position_ids" not in ctx and name == "transformer.wpe":
                 pos = torch.arange(h.shape[1], device=h.device)
@@ -260,7 +293,9 @@ def build_stage(
 
 
 @torch.no_grad()
-def check_stages(model: nn.Module, cuts: Sequence[Sequence[str]], input_ids: torch.Tensor) -> None:
+def check_stages(
+    model: nn.Module, cuts: Sequence[Sequence[str]], input_ids: torch.Tensor
+) -> None:
     """Run stages of copies of ``model`` in turn; insist their logits equal the
     model's own, bit for bit.
 
@@ -341,11 +376,7 @@ def tied_groups(model: nn.Module, plan: PartitionPlan) -> list[TiedGroup]:
         if len(names) < 2:
             continue
         ranks = sorted(
-            {
-                s.rank
-                for s in plan.stages
-                if any(_under(n, s.blocks) for n in names)
-            }
+            {s.rank for s in plan.stages if any(_under(n, s.blocks) for n in names)}
         )
         groups.append(TiedGroup(tuple(names), tuple(ranks)))
     return sorted(groups, key=lambda g: g.names)

@@ -202,8 +202,10 @@ def run_worker(
         scale_grads=True,
     )
     optimizer = torch.optim.AdamW(params, lr=lr)
-    batches = _any_model_batches(wl, steps) if built else wl.batches(
-        wl.items(train=True), seed
+    batches = (
+        _any_model_batches(wl, steps)
+        if built
+        else wl.batches(wl.items(train=True), seed)
     )
     per = plan.batch_size // d
     first = any(s.stage_index == 0 for s in mine)

@@ -121,7 +121,10 @@ def _plan_stub(cuts, ranks=None):
     "workload,cuts",
     [
         (GPT2, GPT2_CUTS),
-        (GPT2, [["transformer.wte", "transformer.wpe"], GPT2_CUTS[1][1:] + GPT2_CUTS[2]]),
+        (
+            GPT2,
+            [["transformer.wte", "transformer.wpe"], GPT2_CUTS[1][1:] + GPT2_CUTS[2]],
+        ),
         (LLAMA, LLAMA_CUTS),
         (LLAMA, [[n] for n in LLAMA_CUTS[0] + LLAMA_CUTS[1]]),  # one unit per stage
     ],
