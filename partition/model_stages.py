@@ -65,7 +65,7 @@ class Family:
 
     def units(self, model: nn.Module) -> list[str]:
         """The unit names in forward order (those ``memory.units`` finds)."""
-        n = len(model.get_submodule(self.layers))
+        n = _num_layers(model, self)
         return [
             *self.embed,
             *(f"{self.layers}.{i}" for i in range(n)),
@@ -157,29 +157,37 @@ def _context(model: nn.Module, fam: Family, h: torch.Tensor) -> dict[str, Any]:
     return ctx
 
 
+def _num_layers(model: nn.Module, fam: Family) -> int:
+    return len(list(model.get_submodule(fam.layers).children()))
+
+
+def _unit(name: str, *, layer: bool = False) -> Step:
+    """The step that calls unit ``name`` on the hidden states (a layer also takes
+    the context: mask, position ids, rotary tables)."""
+
+    def step(m: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        if layer:
+            return m.get_submodule(name)(h, use_cache=False, **ctx)
+        return m.get_submodule(name)(h)
+
+    return step
+
+
+def _gpt2_positions(m: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+    wpe = m.get_submodule("transformer.wpe")
+    return m.get_submodule("transformer.drop")(h + wpe(ctx["position_ids"]))
+
+
 def _steps(model: nn.Module, fam: Family) -> list[tuple[str, Step]]:
     """The forward as one step per unit; glue between units belongs to the unit before
     it (GPT-2's dropout after the position embedding)."""
-
-    def layer(m: nn.Module, h: torch.Tensor, ctx: dict[str, Any], name: str) -> Any:
-        return m.get_submodule(name)(h, use_cache=False, **ctx)
-
-    steps: list[tuple[str, Step]] = []
+    steps: list[tuple[str, Step]] = [(fam.embed[0], _unit(fam.embed[0]))]
     if fam is GPT2:
-        steps.append(("transformer.wte", lambda m, x, c: m.transformer.wte(x)))
-
-        def wpe(m: nn.Module, h: torch.Tensor, c: dict[str, Any]) -> torch.Tensor:
-            return m.transformer.drop(h + m.transformer.wpe(c["position_ids"]))
-
-        steps.append(("transformer.wpe", wpe))
-    else:
-        steps.append(("model.embed_tokens", lambda m, x, c: m.model.embed_tokens(x)))
-    n = len(model.get_submodule(fam.layers))
-    for i in range(n):
+        steps.append(("transformer.wpe", _gpt2_positions))
+    for i in range(_num_layers(model, fam)):
         name = f"{fam.layers}.{i}"
-        steps.append((name, lambda m, h, c, _n=name: layer(m, h, c, _n)))
-    steps.append((fam.norm, lambda m, h, c: m.get_submodule(fam.norm)(h)))
-    steps.append((fam.head, lambda m, h, c: m.get_submodule(fam.head)(h)))
+        steps.append((name, _unit(name, layer=True)))
+    steps += [(fam.norm, _unit(fam.norm)), (fam.head, _unit(fam.head))]
     return steps
 
 
@@ -206,11 +214,12 @@ class CausalLMStage(nn.Module):
                 f"{list(owned)}"
             )
         self.family = fam
-        self.config = model.config
+        self.config: Any = model.config
         self.first = idx[0] == 0
         self.last = idx[-1] == len(names) - 1
         self._steps = steps[idx[0] : idx[-1] + 1]
-        self._loss_function = model.loss_function
+        loss_function: Any = model.loss_function  # transformers' causal-LM loss
+        self._loss_function: Callable[..., torch.Tensor] = loss_function
         for child_name, child in model.named_children():
             self.add_module(child_name, child)
         for n in names:
