@@ -171,6 +171,12 @@ def _profile(args: argparse.Namespace) -> Any:
     wl = get_workload(
         args.workload, batch_size=args.batch or None, seq_len=args.seq or None
     )
+    if wl.any_model:  # a transformers causal LM: planned over its units
+        from partition.model_stages import require_causal_lm
+        from partition.run import profile_any_model
+
+        require_causal_lm(wl)
+        return wl, profile_any_model(wl)[1]
     x, y = wl.example_batch()
     return wl, profile_workload_fake(
         wl.factory, x, y, wl.loss_fn, max_microbatches=args.max_microbatches

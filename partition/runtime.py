@@ -161,10 +161,26 @@ def run_worker(
     dt = getattr(torch, dtype)
     mine = [s for s in plan.stages if s.rank == pp_rank]
     stages, params = [], []
+    built: list[Any] = []  # transformers stages (partition.model_stages)
+    tied = None
+    if wl.any_model:
+        from partition.model_stages import TiedWeights, build_stage, tied_groups
+
+        tied = TiedWeights(tied_groups(wl.make_model(seed), plan), p, d, rank)
     for s in mine:
         model = wl.make_model(seed).to(dt)
-        rec = {b.name for b in s.memory.blocks if b.activations != "keep"}
-        mod = stage_module(model, list(s.blocks), rec)
+        if wl.any_model:
+            b = build_stage(
+                model,
+                list(s.blocks),
+                s.memory,
+                offload_dir=str(Path(out) / f"offload-rank{rank}"),
+            )
+            built.append(b)
+            mod: nn.Module = b.module
+        else:
+            rec = {b.name for b in s.memory.blocks if b.activations != "keep"}
+            mod = stage_module(model, list(s.blocks), rec)
         params += list(mod.parameters())
         stages.append(
             PipelineStage(
@@ -174,6 +190,8 @@ def run_worker(
     cls = get_schedule_class(plan.schedule_name)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if built:  # the transformers model's own causal-LM loss
+            return built[0].module.loss(output, target)
         return wl.loss_fn(output, target)
 
     single = issubclass(cls, PipelineScheduleSingle)
@@ -184,7 +202,11 @@ def run_worker(
         scale_grads=True,
     )
     optimizer = torch.optim.AdamW(params, lr=lr)
-    batches = wl.batches(wl.items(train=True), seed)
+    batches = (
+        _any_model_batches(wl, steps)
+        if built
+        else wl.batches(wl.items(train=True), seed)
+    )
     per = plan.batch_size // d
     first = any(s.stage_index == 0 for s in mine)
     last = any(s.stage_index == plan.num_stages - 1 for s in mine)
@@ -211,6 +233,8 @@ def run_worker(
             schedule.step(x, **kwargs)
         else:
             schedule.step(**kwargs)
+        if tied is not None:  # before the replicas' average: both are sums
+            tied.sum_grads([st.submod for st in stages])
         if d > 1:
             for prm in params:
                 if prm.grad is not None:
@@ -224,6 +248,8 @@ def run_worker(
                 del s_idx
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        for b in built:
+            b.end_step()  # this step's offloaded activations are no longer needed
         times.append(time.perf_counter() - t0)
         c1 = _cpu()
         cpu_times.append(c1[0] + c1[1] - c0[0] - c0[1])
@@ -262,6 +288,15 @@ def run_worker(
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _any_model_batches(wl: Any, steps: int) -> Any:
+    """``(input_ids, labels)`` per step of a transformers workload: its ``load_data``
+    batches, or its example batch at every step."""
+    from partition.model_stages import split_batch
+
+    batches, _ = wl.node_batches(0, 1, server_round=1, local_steps=steps)
+    return iter([split_batch(*b) for b in batches])
 
 
 def _cpu() -> tuple[float, float]:

@@ -315,8 +315,10 @@ def test_such_a_batch_cannot_be_reshaped(jobs, capsys, flag):
         _one_line_error(code, err, f"{MODULE}:tied", "cannot be reshaped")
 
 
-def test_tensor_only_paths_refuse_in_one_line(jobs, capsys):
-    """Partition pipelines take tensor batches only (federations take any model:
+def test_partition_refuses_other_models_in_one_line(jobs, capsys):
+    """Partition pipelines take tensor workloads and transformers GPT-2 / Llama
+    (tests/partition/test_hf_pipeline.py); other models are refused before
+    profiling (federations take any model:
     tests/simulations/test_transformers_federation.py)."""
     spec = f"{MODULE}:tied"
     code, _, err = cli(
@@ -328,7 +330,7 @@ def test_tensor_only_paths_refuse_in_one_line(jobs, capsys):
         "--cluster",
         str(ROOT / "partition" / "clusters" / "unequal-4.toml"),
     )
-    _one_line_error(code, err, spec, "partition pipelines")
+    _one_line_error(code, err, spec, "GPT-2", "fleetfit memory")
 
 
 def test_registry_marks_and_guards_any_model_workloads(jobs):

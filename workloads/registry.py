@@ -11,8 +11,9 @@ The models users have (transformers, keyword arguments, dict inputs) fit too:
 (``model(**inputs)``), ``targets`` a tensor or None, and ``loss_fn`` a callable or None
 (the model's own ``output.loss``, as transformers computes it from ``labels``). Such a
 workload is marked ``Workload.any_model``: ``fleetfit memory`` plans it per unit
-(``memory.units``) and the federation trains it so; partition pipelines and ONNX
-evaluation on arrays refuse it (``Workload.require_tensors``).
+(``memory.units``) and the federation trains it so; partition pipelines take it
+when it is a transformers GPT-2 or Llama (``partition.model_stages``); ONNX
+evaluation on arrays refuses it (``Workload.require_tensors``).
 
 A custom workload's module may define ``load_data(partition_id, num_partitions)``,
 each node's own ``(train_batches, eval_batches)`` (``workloads.node_data``); without
