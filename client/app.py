@@ -261,7 +261,12 @@ def train(msg: Message, context: Context) -> Message:
     )
     plan = MemoryPlan.from_dict(json.loads(ins.plan)) if ins.plan else None
     if stock:  # the whole model's keys go back: a whole-model plan or a refusal
-        plan = own_plan(workload, node, reserve_bytes=reserve_bytes(context.run_config))
+        plan = own_plan(
+            workload,
+            node,
+            reserve_bytes=reserve_bytes(context.run_config),
+            proximal_mu=shape.proximal_mu,
+        )
     arrays_in = _record(msg.content.array_records, keys.ARRAYS)
     if arrays_in is None:
         raise ValueError(

@@ -31,6 +31,7 @@ from typing import Any
 from client.config import NodeConfig
 from memory.cost import predict
 from memory.errors import BudgetError
+from memory.proximal import anchored
 from memory.sizes import format_bytes, parse_bytes
 from memory.spec import MemoryPlan
 from memory.unit_profile import plan_units
@@ -78,16 +79,23 @@ def reserve_bytes(run_config: Mapping[str, Any]) -> int:
 
 
 def own_plan(
-    workload: Workload, node: NodeConfig, *, reserve_bytes: int
+    workload: Workload,
+    node: NodeConfig,
+    *,
+    reserve_bytes: int,
+    proximal_mu: float = 0.0,
 ) -> MemoryPlan | None:
-    """The fastest whole-model plan for the node's budget (None: plain training).
+    """The fastest whole-model plan for the node's budget (None: plain training);
+    ``proximal_mu`` > 0: priced with FedProx's anchor (``memory.proximal.anchored``).
 
     Raises:
         NoWholeModelPlan: no whole-model plan fits; the message names the budget,
             where it came from, and the smallest budget that fits.
     """
     budget, disk = node.budget_bytes, node.disk_budget_bytes
-    profiles = workload_profiles(workload)
+    profiles = {
+        c: anchored(p, proximal_mu) for c, p in workload_profiles(workload).items()
+    }
     usable = budget - reserve_bytes
     # plain first: the planner's times tie (FLOPs, not measured), so its "fastest"
     # can be a recompute plan where plain training fits

@@ -46,6 +46,7 @@ from memory.cost import predict
 from memory.errors import BudgetError
 from memory.plan import min_budget_bytes
 from memory.profile import Profile
+from memory.proximal import anchored
 from memory.spec import MemoryPlan
 from memory.unit_profile import plan_units
 from wire.facts import NodeFacts
@@ -88,6 +89,7 @@ class Assigner:
         runtime_reserve_bytes: int,
         train_time_s: float,
         strategy: str = "fleetfit",
+        proximal_mu: float = 0.0,
     ) -> None:
         if strategy not in ("fleetfit", "exclude"):
             raise ValueError(f"strategy {strategy!r}: choose fleetfit or exclude")
@@ -100,6 +102,7 @@ class Assigner:
         self.local_steps = local_steps
         self.reserve = runtime_reserve_bytes
         self.train_time_s = train_time_s
+        self.proximal_mu = proximal_mu  # > 0: plans hold FedProx's anchor, no streaming
         self._profiles: dict[int, Profile] | None = None
         self._plain: MemoryPlan | None = None
         self._min: dict[tuple[int, int, int], int] = {}
@@ -107,7 +110,12 @@ class Assigner:
 
     @property
     def profiles(self) -> dict[int, Profile]:
-        """The whole model's profiles by loss chunk count (``{1: ...}`` for a chain)."""
+        """The whole model's profiles by loss chunk count (``{1: ...}`` for a chain),
+        as trained: with FedProx's anchor where ``proximal_mu > 0``."""
+        return {c: anchored(p, self.proximal_mu) for c, p in self._measured.items()}
+
+    @property
+    def _measured(self) -> dict[int, Profile]:
         if self._profiles is None:
             self._profiles = workload_profiles(self.workload)
         return self._profiles
@@ -237,7 +245,8 @@ class Assigner:
         key = (start, stop)
         if key not in self._parts:
             self._parts[key] = {
-                c: part_profile(p, start, stop) for c, p in self.profiles.items()
+                c: anchored(part_profile(p, start, stop), self.proximal_mu)
+                for c, p in self._measured.items()
             }
         return self._parts[key]
 

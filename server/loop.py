@@ -71,6 +71,7 @@ class Federation:
             runtime_reserve_bytes=cfg.reserve_bytes,
             train_time_s=cfg.train_time,
             strategy=cfg.strategy,
+            proximal_mu=cfg.shape.proximal_mu,
         )
         self.server_opt = ServerOptimizer(
             cfg.server_opt,

@@ -160,3 +160,90 @@ def test_measured_child_applies_the_term_as_inline_does():
     ]
     for k, v in runs[0].items():
         assert torch.equal(runs[1][k], v), k
+
+
+def test_the_memory_model_counts_the_anchor_and_never_streams():
+    from memory.cost import STREAM, predict
+    from memory.proximal import anchor_bytes, anchored
+    from server.assign import part_profile
+    from wire.windows import workload_profiles
+
+    wl = get_workload("gpt-tiny")
+    profile = workload_profiles(wl)[1]
+    params = sum(p.numel() * p.element_size() for p in wl.make_model(0).parameters())
+    assert anchored(profile, 0.0) is profile
+    held = anchored(profile, MU)
+    assert held.batch_bytes - profile.batch_bytes == anchor_bytes(profile) == params
+    assert all(STREAM not in b.options for b in held.blocks)
+    plain = MemoryPlan.plain([b.name for b in profile.blocks])
+    assert (
+        predict(held, plain).peak_bytes >= predict(profile, plain).peak_bytes + params
+    )
+    # a part window anchors only what it trains: the window and the head
+    part = part_profile(profile, 1, 2)
+    trained = [b for b in part.blocks if b.grad_bytes > 0]
+    assert 0 < anchor_bytes(part) == sum(b.param_bytes for b in trained) < params
+
+
+def test_the_assigner_plans_with_the_anchor():
+    """Under FedProx a node gets a plan priced with w0 and no streamed block, and a
+    budget that fits the plain step only without the anchor no longer gets it."""
+    import math
+
+    from memory.cost import predict
+    from server.assign import Assigner
+    from wire.facts import NodeFacts
+
+    wl = get_workload("gpt-byte")
+
+    def assigner(mu):
+        return Assigner(
+            wl,
+            wl.make_model(0),
+            local_steps=1,
+            runtime_reserve_bytes=0,
+            train_time_s=math.inf,
+            proximal_mu=mu,
+        )
+
+    plain, prox = assigner(0.0), assigner(MU)
+    names = plain.names
+    need = predict(plain.profile, MemoryPlan.plain(names)).peak_bytes
+    facts = NodeFacts(budget_bytes=need, disk_budget_bytes=2**40)
+    got = plain.assign(facts, 1)
+    assert got.kind == "full" and got.plan is not None
+    assert all(b.state == "resident" for b in got.plan.blocks)  # plain-like
+    anchored_got = prox.assign(facts, 1)
+    assert anchored_got.plan is not None
+    assert anchored_got.plan != got.plan  # the same budget buys a leaner plan
+    assert all(b.state != "stream" for b in anchored_got.plan.blocks)
+    assert anchored_got.plan.predicted_peak_bytes <= need
+
+
+@pytest.mark.slow
+def test_the_anchor_costs_what_the_model_says(tmp_path):
+    """Measured in a child: FedProx's w0 raises the peak by about the parameters'
+    bytes, the amount ``anchored`` adds (gpt-byte: 77 MB)."""
+    from memory.proximal import anchor_bytes
+    from wire.windows import workload_profiles
+
+    wl, batches = _setup("gpt-byte", steps=2)
+    state = wl.make_model(0).state_dict()
+    peaks = [
+        train_assigned(
+            state,
+            wl,
+            batches,
+            num_examples=10,
+            torch_seed=0,
+            plan=None,
+            window=None,
+            lr=LR,
+            measure="child",
+            offload_dir=str(tmp_path),
+            proximal_mu=mu,
+        ).peak_bytes
+        for mu in (0.0, MU)
+    ]
+    anchor = anchor_bytes(workload_profiles(wl)[1])
+    assert 0.8 * anchor <= peaks[1] - peaks[0] <= 1.2 * anchor, (peaks, anchor)
