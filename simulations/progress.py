@@ -44,6 +44,8 @@ class RoundProgress:
         interval_s: how often the file is read, seconds.
         label: the bar's name (e.g. a strategy's).
         bar: draw the live bar where the console can (else rows only).
+        rows: print a row per round (off where the run's own log already says each
+            round: ``fleetfit simulate`` runs the ServerApp in this process).
     """
 
     def __init__(
@@ -55,7 +57,9 @@ class RoundProgress:
         interval_s: float = 0.5,
         label: str = "",
         bar: bool = True,
+        rows: bool = True,
     ) -> None:
+        self.rows = rows
         self.path = Path(summary_path)
         self.rounds = rounds
         self.console = console or shared_console()
@@ -101,7 +105,7 @@ class RoundProgress:
             if len(rounds) <= self._shown:
                 return
             elapsed_s = time.monotonic() - self.t0
-            for k in range(self._shown, len(rounds)):
+            for k in range(self._shown if self.rows else len(rounds), len(rounds)):
                 row = format_row(rounds[k], self.rounds)
                 if self._bar is None:
                     row += f"  eta {eta_s(k + 1, self.rounds, elapsed_s):.0f} s"

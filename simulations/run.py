@@ -166,7 +166,11 @@ def simulate(settings: SimulationSettings) -> dict[str, Any]:
         "init_args": {},  # Ray is started above; Flower's engine joins it
     }
     bar = (
-        RoundProgress(Path(settings.out) / SUMMARY_FILE, settings.num_server_rounds)
+        RoundProgress(
+            Path(settings.out) / SUMMARY_FILE,
+            settings.num_server_rounds,
+            rows=False,  # server.loop's log says each round, in this process
+        )
         if settings.progress
         else None
     )
