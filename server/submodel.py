@@ -176,7 +176,8 @@ def expand(
 
     Returns ``(state, coverage)``: every key of ``sub`` as a full-size tensor (the
     reference's values where the sub-model has no entry) and, for every key the
-    sub-model covers only partly, a boolean mask of the entries it covers.
+    sub-model covers only partly, a boolean mask of the entries it covers (a key it
+    covers whole has no mask: it is averaged as any update's).
 
     Raises:
         ValueError: a key that is not the model's, or a shape that is not the
@@ -204,7 +205,9 @@ def expand(
         where = width.full_indices(idx, ref.shape)
         full = ref.clone()
         full[where] = got
-        mask = torch.zeros(ref.shape, dtype=torch.bool)
-        mask[where] = True
-        state[key], coverage[key] = full, mask
+        state[key] = full
+        if any(i is not None and len(i) < n for n, i in zip(ref.shape, idx)):
+            mask = torch.zeros(ref.shape, dtype=torch.bool)
+            mask[where] = True
+            coverage[key] = mask
     return state, coverage

@@ -203,6 +203,8 @@ def axis_indices(units: int, ratio: float, offset: int = 0) -> torch.Tensor:
     """The ``sub_units`` kept of an axis of ``units``: ``offset, offset + 1, ...``
     wrapping around (offset 0: the first ones, HeteroFL; FedRolex rolls it)."""
     k = sub_units(units, ratio)
+    if k == units:  # the whole axis, in its own order
+        return torch.arange(units)
     return (offset + torch.arange(k)) % units
 
 
