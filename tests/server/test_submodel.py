@@ -225,3 +225,53 @@ def test_custom_workloads_have_no_sub_models():
             runtime_reserve_bytes=0,
             train_time_s=1,
         )
+
+
+# ---------------------------------------------------------------- a federation
+@pytest.mark.parametrize("strategy", ["heterofl", "fedrolex"])
+def test_federation_trains_sub_models_and_keeps_uncovered_entries(tmp_path, strategy):
+    """Two digits-mlp nodes at half width and one too small for any level, through
+    the real ClientApp: the first layer's hidden units outside every node's window
+    keep their initial values."""
+    from safetensors.torch import load_file
+
+    from server.config import FleetConfig
+    from tests.server.grid import FakeGrid
+    from tests.server.test_federation import config, federate, nodes
+
+    wl = get_workload("digits-mlp")
+    a = SubmodelAssigner(
+        wl, strategy=strategy, local_steps=2, runtime_reserve_bytes=0, train_time_s=1e3
+    )
+    half, smallest = a.need_bytes(0.5), a.need_bytes(0.0625)
+    cfg = config(
+        tmp_path,
+        workload="digits-mlp",
+        local_steps=2,
+        num_server_rounds=2,
+        strategy=strategy,
+        fleet=FleetConfig(memory_budgets=(half, half, smallest - 1), disk_budgets=(0,)),
+    )
+    summary = federate(cfg, FakeGrid(nodes(3)))
+    for r in summary["rounds"]:
+        got = {
+            x["partition_id"]: (x["kind"], x["width"], x["status"])
+            for x in r["assignments"]
+        }
+        assert got == {
+            0: ("full", 0.5, "ok"),
+            1: ("full", 0.5, "ok"),
+            2: ("none", None, "none"),
+        }
+        assert r["num_clients"] == 2
+    w0 = wl.make_model(0).state_dict()["0.1.weight"]
+    w2 = load_file(str(tmp_path / "run" / "model.safetensors"))["0.1.weight"]
+    changed = (w2 != w0).any(dim=1)
+    covered = torch.zeros(128, dtype=torch.bool)
+    for rnd in (1, 2):
+        covered[
+            a.maps(a.assign(NodeFacts(budget_bytes=half), rnd))["0.1.weight"][0]
+        ] = True
+    assert covered.sum() == (64 if strategy == "heterofl" else 65)  # rolled by one
+    assert not changed[~covered].any()
+    assert changed[covered].all()
