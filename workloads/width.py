@@ -18,7 +18,7 @@ round-dependent offset takes a window that wraps around (FedRolex).
 Registered as the workload ``NAME@wR`` (``get_workload("gpt-byte@w0.25")``), so a
 client builds the sub-model it is sent from the workload name alone.
 
-HeteroFL's scaler (Diao et al. 2021, section 3.2): during training a sub-model's
+HeteroFL's "Scaler" (Diao et al. 2021): during training a sub-model's
 hidden layers' outputs are divided by ``r`` (as inverted dropout does), so that the
 sub-model's activations have the full model's scale; in evaluation it is the
 identity. Here it is a forward hook on every weight layer except the output layer
@@ -180,8 +180,8 @@ def _chain_spec(model: nn.Module) -> WidthSpec:
             params[f"{name}.num_batches_tracked"] = ()
             continue
         conv = isinstance(m, nn.Conv2d)
-        n_in = m.in_channels if conv else m.in_features
-        n_out = m.out_channels if conv else m.out_features
+        n_in: int = m.in_channels if isinstance(m, nn.Conv2d) else m.in_features
+        n_out: int = m.out_channels if isinstance(m, nn.Conv2d) else m.out_features
         d_in: Dim | None = None
         if prev is not None:
             assert n_in % axes[prev] == 0, (name, n_in, axes[prev])
@@ -287,8 +287,9 @@ def width_model(name: str, ratio: float) -> nn.Module:
         sub = replace(
             cfg, d_model=cfg.d_model // cfg.num_heads * heads, num_heads=heads
         )
-        model: nn.Module = models.GPT(sub)
-        output: nn.Module = model.head.proj  # type: ignore[assignment]
+        gpt = models.GPT(sub)
+        model: nn.Module = gpt
+        output: nn.Module = gpt.head.proj
     else:
 
         def w(n: int) -> int:
