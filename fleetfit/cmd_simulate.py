@@ -75,7 +75,8 @@ def simulate_command(
         str | None,
         typer.Option(
             metavar="NAME",
-            help="with --fleet: fleetfit, exclude or smallest-model (default: fleetfit)",
+            help="with --fleet: fleetfit, exclude, smallest-model, heterofl or fedrolex "
+            "(default: fleetfit)",
             rich_help_panel="Fleet",
         ),
     ] = None,
@@ -84,7 +85,8 @@ def simulate_command(
         typer.Option(
             metavar="A,B,...",
             help="with --fleet: strategies to run side by side, e.g. "
-            "fleetfit,exclude,smallest-model (a run folder each under --out)",
+            "fleetfit,exclude,smallest-model,heterofl,fedrolex (a run folder each "
+            "under --out)",
             rich_help_panel="Fleet",
         ),
     ] = None,

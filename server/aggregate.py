@@ -42,6 +42,9 @@ class Update:
     num_examples: int
     state: dict[str, torch.Tensor]
     expected: frozenset[str] | None = None  # keys its assignment trains (None: all)
+    coverage: dict[str, torch.Tensor] | None = None  # a sub-model's update
+    #   (server.submodel): per key it covers only partly, a boolean mask of the
+    #   entries it trained; the rest of that key holds the global values
 
 
 def validate_update(update: Update, reference: dict[str, torch.Tensor]) -> None:
@@ -73,10 +76,12 @@ def weighted_average(
 ) -> dict[str, torch.Tensor]:
     """Per-key example-weighted mean of valid updates, in partition-id order.
 
-    Each key is averaged over the updates that carry it. Floating tensors are
-    accumulated in float64 and cast back; integer buffers (such as BatchNorm's
-    ``num_batches_tracked``) take the largest value. Keys nobody sent keep the
-    reference value.
+    Each key is averaged over the updates that carry it; where an update's
+    ``coverage`` masks a key (a HeteroFL/FedRolex sub-model), each entry is
+    averaged over the updates that cover it, and entries nobody covered keep the
+    reference value. Floating tensors are accumulated in float64 and cast back;
+    integer buffers (such as BatchNorm's ``num_batches_tracked``) take the largest
+    value. Keys nobody sent keep the reference value.
     """
     ordered = sorted(updates, key=lambda u: (u.partition_id, u.node_id))
     out: dict[str, torch.Tensor] = {}
@@ -84,6 +89,8 @@ def weighted_average(
         have = [u for u in ordered if key in u.state]
         if not have:
             out[key] = ref.clone()
+        elif ref.is_floating_point() and any(_masked(u, key) for u in have):
+            out[key] = _masked_average(have, key, ref)
         elif ref.is_floating_point():
             total = sum(u.num_examples for u in have)
             acc = torch.zeros(ref.shape, dtype=torch.float64)
@@ -93,6 +100,32 @@ def weighted_average(
         else:
             out[key] = torch.stack([u.state[key] for u in have]).amax(0)
     return out
+
+
+def _masked(u: Update, key: str) -> bool:
+    return u.coverage is not None and key in u.coverage
+
+
+def _masked_average(have: list[Update], key: str, ref: torch.Tensor) -> torch.Tensor:
+    """Per entry, the example-weighted mean over the updates covering it (an update
+    without a mask for ``key`` covers all of it); uncovered entries keep ``ref``."""
+    acc = torch.zeros(ref.shape, dtype=torch.float64)
+    total = torch.zeros(ref.shape, dtype=torch.float64)
+    for u in have:
+        w = float(u.num_examples)
+        value = u.state[key].to(torch.float64)
+        if _masked(u, key):
+            assert u.coverage is not None
+            mask = u.coverage[key].to(torch.float64)
+            acc += w * mask * value
+            total += w * mask
+        else:
+            acc += w * value
+            total += w
+    covered = total > 0
+    out = ref.to(torch.float64).clone()
+    out[covered] = acc[covered] / total[covered]
+    return out.to(ref.dtype)
 
 
 def robust_average(

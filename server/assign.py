@@ -70,10 +70,17 @@ class Assignment:
     predicted_step_s: float = 0.0  # on this node
     min_budget_bytes: int = 0  # none: smallest budget that gets a part
     reason: str = ""
+    # heterofl / fedrolex (server.submodel): the sub-model's width ratio (None: the
+    # model itself), its window offset in units of every hidden axis, its workload
+    width: float | None = None
+    roll: int = 0
+    workload: str = ""  # "": the run's
 
     def describe(self) -> str:
         if self.kind == "part" and self.window is not None:
             return f"part [{self.window[0]}, {self.window[1]}) + head"
+        if self.width is not None:
+            return f"{self.kind} at width {self.width:g}"
         return self.kind
 
 

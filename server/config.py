@@ -22,7 +22,7 @@ from wire.shape import RUNTIME_RESERVE, RunShape
 from workloads.registry import EVAL_MAX_ITEMS, Workload, get_workload
 from workloads.splits import SPLITS
 
-STRATEGIES = ("fleetfit", "exclude")
+STRATEGIES = ("fleetfit", "exclude", "heterofl", "fedrolex")
 """What nodes are asked to train (see ``ServerConfig.strategy``)."""
 
 
@@ -177,7 +177,9 @@ class ServerConfig:
     fleet: FleetConfig = field(default_factory=FleetConfig)  # [fleet-*] simulation
     strategy: str = "fleetfit"  # [strategy] fleetfit: every node trains what fits
     #   (plan, part, or evaluation only); exclude: the status quo, a node whose plain
-    #   training step does not fit its budget takes no part
+    #   training step does not fit its budget takes no part; heterofl / fedrolex:
+    #   each node trains the widest width-scaled sub-model whose plain step fits,
+    #   static or rolling indices (server/submodel.py)
     eval_windows: int = EVAL_MAX_ITEMS  # [eval-windows] language models: held-out
     #   windows (of seq-len tokens) the central evaluation runs on each round
     export: ExportConfig = field(default_factory=ExportConfig)  # [export-onnx]
@@ -277,6 +279,16 @@ class ServerConfig:
             )
         if self.strategy not in STRATEGIES:
             raise bad("strategy", self.strategy, " or ".join(STRATEGIES))
+        if self.strategy in ("heterofl", "fedrolex") and (
+            self.server_opt.aggregation != "mean" or privacy.clipping_norm > 0
+        ):
+            raise bad(
+                "strategy",
+                self.strategy,
+                "its sub-model updates are averaged entry by entry over the nodes "
+                "that cover each entry; use aggregation=mean and no central DP "
+                "(dp-clipping-norm=0) with it",
+            )
         if not self.round_timeout_s > 0 or not self.node_wait_s > 0:
             raise bad(
                 "round-timeout/node-wait",

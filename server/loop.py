@@ -30,6 +30,8 @@ from server.assign import Assigner, Assignment
 from server.config import ServerConfig
 from server.fedopt import ServerOptimizer
 from server.onnx_rounds import OnnxRounds
+from server.submodel import STRATEGIES as SUBMODEL_STRATEGIES
+from server.submodel import SubmodelAssigner, expand
 from wire import keys
 from wire.facts import NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
@@ -64,15 +66,26 @@ class Federation:
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
         self.offline: list[int] = []  # this round's nodes drawn offline
         self.discovery_errors: list[str] = []  # this round's refused facts
-        self.assigner = Assigner(
-            self.workload,
-            self.model,
-            local_steps=cfg.shape.local_steps,
-            runtime_reserve_bytes=cfg.reserve_bytes,
-            train_time_s=cfg.train_time,
-            strategy=cfg.strategy,
-            proximal_mu=cfg.shape.proximal_mu,
-        )
+        self.assigner: Assigner | SubmodelAssigner
+        if cfg.strategy in SUBMODEL_STRATEGIES:  # HeteroFL, FedRolex
+            self.assigner = SubmodelAssigner(
+                self.workload,
+                strategy=cfg.strategy,
+                local_steps=cfg.shape.local_steps,
+                runtime_reserve_bytes=cfg.reserve_bytes,
+                train_time_s=cfg.train_time,
+                proximal_mu=cfg.shape.proximal_mu,
+            )
+        else:
+            self.assigner = Assigner(
+                self.workload,
+                self.model,
+                local_steps=cfg.shape.local_steps,
+                runtime_reserve_bytes=cfg.reserve_bytes,
+                train_time_s=cfg.train_time,
+                strategy=cfg.strategy,
+                proximal_mu=cfg.shape.proximal_mu,
+            )
         self.server_opt = ServerOptimizer(
             cfg.server_opt,
             (
@@ -244,11 +257,13 @@ class Federation:
             facts = self.nodes.get(node_id, NodeFacts())
             a = self.assigner.assign(facts, server_round)
             assignments[node_id] = a
-            arrays = (
-                full_arrays
-                if a.kind != "none"
-                else self.onnx.eval_only_arrays(self.model, server_round)
-            )
+            if a.kind == "none":
+                arrays = self.onnx.eval_only_arrays(self.model, server_round)
+            elif a.width is not None:  # a sub-model's slices of every key
+                assert isinstance(self.assigner, SubmodelAssigner)
+                arrays = ArrayRecord(self.assigner.sliced(a, reference))
+            else:
+                arrays = full_arrays
             eval_runtime = "onnxruntime" if a.kind == "none" and len(arrays) else ""
             config = self._instruction(a, server_round, facts, eval_runtime)
             instructions[node_id] = (arrays, config)
@@ -371,7 +386,11 @@ class Federation:
         cfg = self.cfg
         ins = TrainInstruction(
             server_round=server_round,
-            shape=replace(cfg.shape, local_steps=a.local_steps),
+            shape=replace(
+                cfg.shape,
+                local_steps=a.local_steps,
+                workload=a.workload or cfg.shape.workload,
+            ),
             classes=cfg.fleet.classes,
             kind=a.kind,
             plan=a.plan.to_json() if a.plan is not None else "",
@@ -398,6 +417,7 @@ class Federation:
             "disk_budget_bytes": a.disk_budget_bytes,
             "kind": a.kind,
             "window": list(a.window) if a.window else None,
+            "width": a.width,
             "local_steps": a.local_steps,
             "predicted_peak_bytes": a.predicted_peak_bytes or None,
             "min_budget_bytes": a.min_budget_bytes or None,
@@ -460,6 +480,18 @@ class Federation:
                 sent = TrainReply.arrays(reply.content).values()
                 rec["message_bytes"] = sum(len(x.data) for x in sent)
             state = {k: torch.from_numpy(v) for k, v in arrays.items()}
+            coverage = None
+            if a.width is not None:  # back into the model's shapes, with masks
+                assert isinstance(self.assigner, SubmodelAssigner)
+                try:
+                    state, coverage = expand(
+                        state, self.model.state_dict(), self.assigner.maps(a)
+                    )
+                except ValueError as e:
+                    errors.append(f"node {node_id}: malformed reply ({e})")
+                    rec["status"] = f"malformed: {e}"
+                    log.warning("node %s sent a malformed reply: %s", node_id, e)
+                    continue
             pid = got.partition_id
             if pid is None:
                 pid = self.nodes.get(node_id, NodeFacts()).partition_id
@@ -467,7 +499,14 @@ class Federation:
             num = min(num, cfg.max_examples)  # the claim stays in num_examples
             expected = self._expected_keys(a)
             updates.append(
-                Update(-1 if pid is None else pid, node_id, num, state, expected)
+                Update(
+                    -1 if pid is None else pid,
+                    node_id,
+                    num,
+                    state,
+                    expected,
+                    coverage or None,
+                )
             )
             if loss is not None:  # finite (wire.reply): a NaN loss is not averaged
                 losses.append(loss)

@@ -7,6 +7,9 @@
   part.
 - ``smallest-model``: the model shrunk (``NAME@SCALE``) until every device of the fleet
   can train it plainly; then plain FedAvg with everyone.
+- ``heterofl``, ``fedrolex``: each device trains the widest width-scaled sub-model
+  whose plain step fits its budget, static (HeteroFL) or rolling (FedRolex) indices,
+  averaged entry by entry (``server.submodel``, ``simulations.baselines``).
 
 Example:
     >>> from simulations.compare import compare
@@ -41,7 +44,8 @@ from workloads.splits import class_groups, split_indices
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("fleetfit", "exclude", "smallest-model")
+STRATEGIES = ("fleetfit", "exclude", "smallest-model", "heterofl", "fedrolex")
+SUBMODEL_STRATEGIES = ("heterofl", "fedrolex")
 CLASS_EVAL_WINDOWS = 64
 """Held-out windows per device class for a language model's per-class metric."""
 SCALES = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
@@ -142,7 +146,7 @@ def settings_for(
         fraction_train=fleet.fraction_train,
         out=str(out),
         fleet=fleet.fleet_config(),
-        strategy="fleetfit" if strategy == "fleetfit" else "exclude",
+        strategy="exclude" if strategy == "smallest-model" else strategy,
         export=ExportConfig(
             onnx="off", eval_only="onnxruntime" if strategy == "fleetfit" else "off"
         ),
@@ -167,7 +171,12 @@ def run_strategy(
     t0 = time.monotonic()
     summary = simulate(settings)
     wall = time.monotonic() - t0
-    return summarize(fleet, summary, Path(out), wall_s=wall, workload=workload)
+    entry = summarize(fleet, summary, Path(out), wall_s=wall, workload=workload)
+    if strategy in SUBMODEL_STRATEGIES:
+        from simulations.baselines import sizing
+
+        entry["sizing"] = sizing(fleet, strategy)
+    return entry
 
 
 def compare(
@@ -190,6 +199,10 @@ def compare(
         raise ValueError(f"target={target!r} must be a positive number")
     if "smallest-model" in names:
         smallest_model(fleet)  # fails here, before any simulation, if none fits
+    for name in set(names) & set(SUBMODEL_STRATEGIES):
+        from simulations.baselines import assigner
+
+        assigner(fleet, name)  # fails here if the workload has no sub-models
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}

@@ -68,7 +68,8 @@ class SimulationSettings:
     #   partition id; no memory budgets: each node uses 50% of the memory it measures
     client_measure: str = _SERVER.client_measure  # [client-measure] auto | child |
     #   inline: auto measures peaks in a child process for nodes given a budget
-    strategy: str = _SERVER.strategy  # [strategy] fleetfit | exclude
+    strategy: str = _SERVER.strategy  # [strategy] fleetfit | exclude | heterofl |
+    #   fedrolex (server.config)
     eval_windows: int = _SERVER.eval_windows  # [eval-windows] language models:
     #   held-out windows of the central evaluation
     export: ExportConfig = field(default_factory=ExportConfig)  # [export-onnx]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads import data as data_mod
-from workloads import models, node_data
+from workloads import models, node_data, width
 from workloads.errors import WorkloadError
 from workloads.splits import split_indices
 
@@ -437,6 +437,8 @@ def _parse_scaled(name: str) -> Workload:
             f"unknown workload {name!r}: NAME@SCALE shrinks a built-in, choose NAME "
             f"from {', '.join(BUILTIN_WORKLOADS)}"
         )
+    if text.startswith("w"):  # width only: a HeteroFL/FedRolex sub-model
+        return _parse_width(name, base_name, text[1:])
     try:
         scale = float(text)
     except ValueError:
@@ -450,6 +452,24 @@ def _parse_scaled(name: str) -> Workload:
     if scale == 1.0:
         return base
     return replace(base, name=name, factory=_scaled_factory(base, scale), scale=scale)
+
+
+def _parse_width(name: str, base_name: str, text: str) -> Workload:
+    """``NAME@wR``: built-in ``NAME`` at width ratio ``R`` (``workloads.width``)."""
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = math.nan
+    if not 0 < ratio <= 1 or _scale_str(ratio) != text:
+        raise WorkloadError(
+            f"workload {name!r}: the width ratio after '@w' must be a number in (0, 1] "
+            "written without padding, e.g. gpt-byte@w0.25"
+        )
+    try:
+        factory = width.width_factory(base_name, ratio)
+    except ValueError as e:
+        raise WorkloadError(f"workload {name!r}: {e}") from None
+    return replace(BUILTIN_WORKLOADS[base_name], name=name, factory=factory)
 
 
 BUILTIN_WORKLOADS: dict[str, Workload] = {
@@ -507,6 +527,8 @@ def get_workload(
     ``NAME@SCALE`` is the built-in ``NAME`` on a model shrunk by ``SCALE`` in (0, 1]
     (width times ``SCALE``; for GPTs also depth, at least one layer): the same data,
     loss and batch shape (the ``smallest-model`` strategy of fleet simulations).
+    ``NAME@wR`` is its width-scaled sub-model at ratio ``R`` (depth, inputs and
+    outputs kept; ``workloads.width``: the ``heterofl`` and ``fedrolex`` strategies).
     ``eval_windows``: a language model's central evaluation runs on that many held-out
     windows (default ``EVAL_MAX_ITEMS``).
 
