@@ -41,6 +41,7 @@ Assumptions (docs/partition.md states them with the error against published runs
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, replace
 
@@ -48,6 +49,7 @@ from memory.cost import CostModel, price_stage
 from memory.profile import BlockCosts, BlockProfile, Profile
 from memory.sizes import format_bytes
 from partition.cluster import Cluster
+from partition import gpu_hw
 from partition.gpu_hw import GpuType, gpu_type
 from partition.gpu_spec import MODELS, TransformerSpec
 
@@ -267,6 +269,7 @@ def analytic_profile(
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def memory_bytes(
     spec: TransformerSpec,
     *,
@@ -295,7 +298,7 @@ def memory_bytes(
     )
     model = CostModel(profile, num_microbatches, 1, slices=1)
     L, v, m = spec.num_layers, stages_per_rank, num_microbatches
-    per_rank = L // pp
+    per_rank = -(-L // pp)  # the fullest rank when the layers do not divide evenly
     n = len(profile.blocks)
     spans = {(0, 1 + per_rank): pp + (pp - 1) / v if v > 1 else pp}
     spans[(n - 1 - per_rank, n) if pp > 1 else (0, n)] = (
@@ -354,10 +357,10 @@ def invalid_reason(
             f"tp {tp} does not divide the {spec.num_heads} heads "
             f"({spec.num_kv_heads} kv-heads); give a tensor parallel degree that does"
         )
-    if L % (pp * v):
+    if pp * v > L:
         return (
-            f"pp {pp} x virtual stages {v} = {pp * v} does not divide the {L} "
-            "layers; give degrees whose product divides the layer count"
+            f"pp {pp} x virtual stages {v} = {pp * v} stages exceed the {L} "
+            "layers; give at most one stage per layer"
         )
     if global_batch_tokens % s:
         return (
@@ -398,9 +401,11 @@ def evaluate(
     sharding: str,
     stages_per_rank: int = 1,
     require_fit: bool = True,
+    flash_attention: bool = True,
 ) -> Layout | None:
     """The predicted step of one layout; None when it is not a valid layout, or
-    (``require_fit``) when it does not fit memory."""
+    (``require_fit``) when it does not fit memory. ``flash_attention=False``: the
+    attention scores are materialised (time only; memory assumes a fused kernel)."""
     sys_ = _system(system)
     kw = dict(
         dp=dp,
@@ -432,7 +437,15 @@ def evaluate(
     elif recompute == "selective":
         layer_flops += 2 * s * h
     r_layer = gpu.rate(h / tp)
-    t_layer = tokens_mb * layer_flops / tp / r_layer
+    # memory-bound work (norms, activations, residuals; softmax over the scores
+    # without a fused kernel): HBM passes over the bytes a layer would keep
+    touched = activation_bytes_per_token(spec, "none") + (
+        0 if flash_attention else 5 * spec.num_heads * s
+    )
+    passes = gpu_hw.MEMORY_PASSES * (4 / 3 if recompute == "full" else 1)
+    t_layer = tokens_mb * (
+        layer_flops / r_layer + passes * touched / gpu.hbm_bytes_per_s
+    ) / tp
     t_wgrad = tokens_mb * 2 * P / tp / r_layer  # weight-gradient GEMMs
     t_head = tokens_mb * 6 * h * V / tp / gpu.rate(min(h, V / tp))
     # ---- tensor parallel: sequence-parallel all-gather + reduce-scatter of the
@@ -445,7 +458,7 @@ def evaluate(
     per_host = gpu.gpus_per_host
     hop = gpu.network_bytes_per_s if tp * pp > per_host else nv
     pp_mb = 2 * v * (2 * tokens_mb * h / tp) / hop if pp > 1 else 0.0
-    layers_per_rank = L // pp
+    layers_per_rank = -(-L // pp)  # uneven splits: the fullest rank sets the pace
     body = layers_per_rank * (t_layer + tp_layer) + pp_mb
     stages = [body] * (pp - 1) + [body + t_head]
     t_max = max(stages)
@@ -453,7 +466,11 @@ def evaluate(
     compute_s = m * (sum(stages) / pp)
     # ---- data parallel over the slowest stage's parameters
     params_rank = (layers_per_rank * P + V * h) / tp
-    dp_bw = gpu.network_bytes_per_s if n > per_host else nv
+    # a ring collective across hosts runs one ring per member a host holds, each
+    # through its own NIC: the group's bandwidth is the per-GPU network times the
+    # members per host (NVLink at most)
+    members = max(1, per_host // (tp * pp))
+    dp_bw = min(nv, gpu.network_bytes_per_s * members) if n > per_host else nv
     t_bwd = t_max * 2 / 3
     if sharding == "fsdp":
         gather = _ring_s(2 * params_rank, dp, dp_bw)
@@ -523,7 +540,7 @@ def _layouts(spec: TransformerSpec, system: GpuSystem):
             continue
         for pp in range(1, n // tp + 1):
             if n % (tp * pp) or spec.num_layers % pp:
-                continue
+                continue  # the search keeps to even splits; a given layout may not
             for v in (1, 2, 3, 4, 6, 8):
                 if v > 1 and (pp == 1 or spec.num_layers % (pp * v)):
                     continue

@@ -23,13 +23,18 @@ from dataclasses import dataclass, replace
 
 GiB = 2**30
 
-D_HALF = 384.0
+D_HALF = 0.0
 """GEMM width at which the sustained rate is half of ``rate_max`` (fitted on the
 calibration half, shared by all GPU families; see ``partition.gpu_refs``)."""
 
-RATE_MAX = {"a100": 215e12, "h100": 575e12}
+RATE_MAX = {"a100": 180e12, "h100": 375e12}
 """Sustained bf16 FLOP/s of very wide GEMMs inside training steps, per family
 (fitted on the calibration half; see ``partition.gpu_refs``)."""
+
+MEMORY_PASSES = 7.0
+"""HBM passes of memory-bound work (norms, activation functions, residuals,
+unfused softmax) over the bytes a layer keeps per token (fitted on the
+calibration half, shared by all GPU families)."""
 
 
 @dataclass(frozen=True)
