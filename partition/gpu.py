@@ -74,7 +74,7 @@ gradient read, master and moments written, the bf16 copy written."""
 RECOMPUTE = ("none", "selective", "full")
 SHARDING = ("zero1", "fsdp", "ddp")
 
-UNCERTAINTY = 0.20
+UNCERTAINTY = 0.15
 """The worst relative step-time error on the held-out half of the published runs
 (docs/partition.md; ``tests/partition/test_gpu_refs.py`` recomputes it)."""
 
