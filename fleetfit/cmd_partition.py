@@ -142,10 +142,20 @@ def plan_command(
 ) -> int:
     given = locals()
     numbers = [k for k in _MODEL_NUMBERS if given[k] is not None]
-    described = [x for x, on in (("--model", model), ("--config", config),
-                                 ("--layers ...", numbers)) if on]
-    gpu_only = [_flag(k) for k in (*_LAYOUT, "gpu", "num_gpus", "global_batch_tokens")
-                if given[k] is not None] + (["--tied"] if tied is not None else [])
+    described = [
+        x
+        for x, on in (
+            ("--model", model),
+            ("--config", config),
+            ("--layers ...", numbers),
+        )
+        if on
+    ]
+    gpu_only = [
+        _flag(k)
+        for k in (*_LAYOUT, "gpu", "num_gpus", "global_batch_tokens")
+        if given[k] is not None
+    ] + (["--tied"] if tied is not None else [])
     if not described:
         if gpu_only:
             raise ValueError(
@@ -173,8 +183,13 @@ def plan_command(
 
 def _plan_gpu(**a: Any) -> int:
     from partition.cluster import load_cluster
-    from partition.gpu import GpuSystem, MODELS, TransformerSpec, evaluate_given
-    from partition.gpu import plan_layout
+    from partition.gpu import (
+        MODELS,
+        GpuSystem,
+        TransformerSpec,
+        evaluate_given,
+        plan_layout,
+    )
 
     if a["model"] is not None:
         if a["model"] not in MODELS:
@@ -187,7 +202,8 @@ def _plan_gpu(**a: Any) -> int:
         spec = TransformerSpec.from_config(a["config"], a["seq"])
     else:
         missing = [
-            _flag(k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq")
+            _flag(k)
+            for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq")
             if a[k] is None
         ]
         if missing:
@@ -196,16 +212,27 @@ def _plan_gpu(**a: Any) -> int:
                 "--config FILE)"
             )
         spec = TransformerSpec(
-            "model", a["layers"], a["hidden"], a["ffn"], a["heads"],
-            a["kv_heads"] or a["heads"], a["vocab"], a["seq"], True, bool(a["tied"]),
+            "model",
+            a["layers"],
+            a["hidden"],
+            a["ffn"],
+            a["heads"],
+            a["kv_heads"] or a["heads"],
+            a["vocab"],
+            a["seq"],
+            True,
+            bool(a["tied"]),
         )
     if a["config"] is not None or a["model"] is not None:
         overrides = {k: a[k] for k in _MODEL_NUMBERS if a[k] is not None}
         if a["tied"] is not None:
             overrides["tied"] = a["tied"]
         if overrides:
-            renamed = {"layers": "num_layers", "heads": "num_heads",
-                       "kv_heads": "num_kv_heads"}
+            renamed = {
+                "layers": "num_layers",
+                "heads": "num_heads",
+                "kv_heads": "num_kv_heads",
+            }
             fields = {renamed.get(k, k): v for k, v in overrides.items()}
             spec = TransformerSpec(**{**spec.__dict__, **fields})
     if a["cluster"] is not None:

@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, replace
 from memory.cost import CostModel, price_stage
 from memory.profile import BlockCosts, BlockProfile, Profile
 from memory.sizes import format_bytes
-from partition.cluster import Cluster
 from partition import gpu_hw
+from partition.cluster import Cluster
 from partition.gpu_hw import GpuType, gpu_type
 from partition.gpu_spec import MODELS, TransformerSpec
 
@@ -255,11 +255,19 @@ def analytic_profile(
         blocks=(
             unit("embed", V * h / tp, costs(8 * tokens, x, 0, x, 0, False), ("K",)),
             *(
-                unit(f"layers.{i}", spec.layer_params / tp, layer, ("R",) if rec else ("K",))
+                unit(
+                    f"layers.{i}",
+                    spec.layer_params / tp,
+                    layer,
+                    ("R",) if rec else ("K",),
+                )
                 for i in range(L)
             ),
             unit(
-                "head", head_params, costs(x, 4, 0, 6 * logits, 10 * logits, True), ("K",)
+                "head",
+                head_params,
+                costs(x, 4, 0, 6 * logits, 10 * logits, True),
+                ("K",),
             ),
         ),
         batch_size=microbatch_size,
@@ -443,9 +451,11 @@ def evaluate(
         0 if flash_attention else 5 * spec.num_heads * s
     )
     passes = gpu_hw.MEMORY_PASSES * (4 / 3 if recompute == "full" else 1)
-    t_layer = tokens_mb * (
-        layer_flops / r_layer + passes * touched / gpu.hbm_bytes_per_s
-    ) / tp
+    t_layer = (
+        tokens_mb
+        * (layer_flops / r_layer + passes * touched / gpu.hbm_bytes_per_s)
+        / tp
+    )
     t_wgrad = tokens_mb * 2 * P / tp / r_layer  # weight-gradient GEMMs
     t_head = tokens_mb * 6 * h * V / tp / gpu.rate(min(h, V / tp))
     # ---- tensor parallel: sequence-parallel all-gather + reduce-scatter of the

@@ -58,21 +58,20 @@ class GpuType:
         half = D_HALF if self.d_half is None else self.d_half
         return top * d / (d + half)
 
-    def rate_table(self, widths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)) -> str:
+    def rate_table(
+        self, widths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    ) -> str:
         """Achieved TFLOP/s by GEMM width, as a one-line table."""
         cells = ", ".join(f"{d}: {self.rate(d) / 1e12:.0f}" for d in widths)
         return f"{self.name} sustained TFLOP/s by GEMM width d ({cells})"
 
 
-_A100 = dict(family="a100", peak_flops_per_s=312e12, nvlink_bytes_per_s=300e9)
 _A100_NET = 25e9  # 8 x 200 Gbit/s HDR InfiniBand per 8-GPU node
 _H100_NET = 50e9  # 400 Gbit/s per GPU
 
 GPUS: dict[str, GpuType] = {
-    "a100-40": GpuType("a100-40", memory_bytes=40 * GiB, hbm_bytes_per_s=1.555e12,
-                       network_bytes_per_s=_A100_NET, **_A100),  # type: ignore[arg-type]
-    "a100-80": GpuType("a100-80", memory_bytes=80 * GiB, hbm_bytes_per_s=2.039e12,
-                       network_bytes_per_s=_A100_NET, **_A100),  # type: ignore[arg-type]
+    "a100-40": GpuType("a100-40", "a100", 40 * GiB, 312e12, 1.555e12, 300e9, _A100_NET),
+    "a100-80": GpuType("a100-80", "a100", 80 * GiB, 312e12, 2.039e12, 300e9, _A100_NET),
     "h100-80": GpuType("h100-80", "h100", 80 * GiB, 989e12, 3.35e12, 450e9, _H100_NET),
     # H100 NVL: PCIe card, NVLink bridges between pairs only (600 GB/s both ways)
     "h100-94": GpuType("h100-94", "h100", 94 * GiB, 835e12, 3.9e12, 300e9, _H100_NET),
@@ -80,7 +79,12 @@ GPUS: dict[str, GpuType] = {
     # between SXM and NVL, torchtitan divides by the SXM figure, as we do)
     "h100-96": GpuType("h100-96", "h100", 96 * GiB, 989e12, 2.4e12, 450e9, _H100_NET),
 }
-ALIASES = {"h100-nvl": "h100-94", "gh200": "h100-96", "a100": "a100-80", "h100": "h100-80"}
+ALIASES = {
+    "h100-nvl": "h100-94",
+    "gh200": "h100-96",
+    "a100": "a100-80",
+    "h100": "h100-80",
+}
 
 
 def gpu_type(name: str) -> GpuType:

@@ -170,9 +170,7 @@ def fit(runs: list[Run]) -> tuple[dict[str, float], float, float]:
                 for top in range(100, 801, 5):
                     total = 0.0
                     for r in rows:
-                        g = replace(
-                            gpu_type(r.gpu), rate_max=top * 1e12, d_half=d_half
-                        )
+                        g = replace(gpu_type(r.gpu), rate_max=top * 1e12, d_half=d_half)
                         total += math.log1p(step_error(r, g)) ** 2
                     if best_f is None or total < best_f[0]:
                         best_f = (total, top * 1e12)

@@ -102,8 +102,10 @@ class TransformerSpec:
         """
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist; give a "
-                             "transformers config.json")
+            raise ValueError(
+                f"config file {str(p)!r} does not exist; give a "
+                "transformers config.json"
+            )
         try:
             cfg: dict[str, Any] = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

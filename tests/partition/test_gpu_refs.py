@@ -84,8 +84,15 @@ def test_full_recompute_keeps_the_input_divided_by_tp():
 
 def test_405b_on_128_h100_fits_with_fsdp_and_tp():
     lay = evaluate_given(
-        MODELS["llama3-405b"], GpuSystem.of("h100-96", 128), 32 * 8192,
-        dp=16, pp=1, tp=8, microbatch_size=2, recompute="full", sharding="fsdp",
+        MODELS["llama3-405b"],
+        GpuSystem.of("h100-96", 128),
+        32 * 8192,
+        dp=16,
+        pp=1,
+        tp=8,
+        microbatch_size=2,
+        recompute="full",
+        sharding="fsdp",
     )
     assert lay.fits and lay.memory_bytes < 80 * 2**30
 
@@ -117,19 +124,38 @@ def test_unknown_gpu_and_incomplete_config(tmp_path):
 
 def test_config_files_of_llama_and_gpt2(tmp_path):
     llama = tmp_path / "llama.json"
-    llama.write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
-        "num_attention_heads": 32, "num_key_value_heads": 8,
-        "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu",
-        "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    }))
+    llama.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 32,
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "vocab_size": 128256,
+                "hidden_act": "silu",
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     spec = TransformerSpec.from_config(llama, seq_len=8192)
     assert spec.num_params == pytest.approx(8.03e9, rel=0.01) and spec.gated
     gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({
-        "model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
-        "vocab_size": 50257, "n_positions": 1024, "activation_function": "gelu_new",
-    }))
+    gpt2.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 12,
+                "n_embd": 768,
+                "n_head": 12,
+                "vocab_size": 50257,
+                "n_positions": 1024,
+                "activation_function": "gelu_new",
+            }
+        )
+    )
     g = TransformerSpec.from_config(gpt2)
     assert (g.tied, g.gated, g.ffn, g.seq_len) == (True, False, 3072, 1024)
     assert g.num_params == pytest.approx(124e6, rel=0.02)
@@ -138,15 +164,59 @@ def test_config_files_of_llama_and_gpt2(tmp_path):
 def test_cli_evaluates_a_given_layout_and_refuses_unused_flags(capsys):
     from fleetfit.cli import main
 
-    argv = ["partition", "plan", "--model", "llama3-8b", "--gpu", "h100-96",
-            "--num-gpus", "8", "--pp", "1", "--tp", "1", "--micro-batch", "2",
-            "--global-batch-tokens", str(16 * 8192), "--json"]
+    argv = [
+        "partition",
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpu",
+        "h100-96",
+        "--num-gpus",
+        "8",
+        "--pp",
+        "1",
+        "--tp",
+        "1",
+        "--micro-batch",
+        "2",
+        "--global-batch-tokens",
+        str(16 * 8192),
+        "--json",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "uncertainty" in out and json.loads(out.splitlines()[-1])["fits"]
-    assert main(["partition", "plan", "--model", "llama3-8b", "--gpu", "h100-80",
-                 "--num-gpus", "8", "--max-microbatches", "4"]) == 2
+    assert (
+        main(
+            [
+                "partition",
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--gpu",
+                "h100-80",
+                "--num-gpus",
+                "8",
+                "--max-microbatches",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "--max-microbatches apply to --workload" in capsys.readouterr().err
-    assert main(["partition", "plan", "--workload", "gpt-tiny", "--cluster", "c.toml",
-                 "--tp", "2"]) == 2
+    assert (
+        main(
+            [
+                "partition",
+                "plan",
+                "--workload",
+                "gpt-tiny",
+                "--cluster",
+                "c.toml",
+                "--tp",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "--tp apply to a GPU model" in capsys.readouterr().err
