@@ -2,6 +2,8 @@
 
 fleetfit partition plan --workload gpt-byte --cluster partition/clusters/unequal-4.toml
 fleetfit partition plan --model llama2-70b --cluster partition/clusters/h100-64.toml
+fleetfit partition plan --config config.json --seq 8192 --gpu h100-80 --num-gpus 64
+fleetfit partition plan --model llama3-70b --gpu a100-80 --num-gpus 64 --pp 1 --tp 8
 fleetfit partition simulate --workload gpt-tiny --cluster C.toml --out runs/tl
 fleetfit partition run --workload gpt-tiny --cluster C.toml --steps 3
 
@@ -74,35 +76,215 @@ MaxMicrobatches = Annotated[
 ]
 
 
+PlanCluster = Annotated[
+    str | None,
+    typer.Option(
+        "--cluster",
+        metavar="FILE",
+        help="cluster TOML file, e.g. partition/clusters/unequal-4.toml (see "
+        "docs/partition.md); for a GPU model, or --gpu and --num-gpus",
+        show_default=False,
+    ),
+]
+
+_MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+_LAYOUT = ("dp", "pp", "tp", "virtual_stages", "micro_batch", "recompute", "sharding")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def plan_command(
-    cluster: Cluster,
+    cluster: PlanCluster = None,
     workload: opt.Workload = None,
     model: Annotated[
         str | None,
         typer.Option(
             metavar="NAME",
             help="instead of --workload, a GPU-scale model for the analytic layout "
-            "model: llama2-7b, llama2-13b, llama2-70b, gpt3-175b",
+            "model: llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b, "
+            "llama3-405b, gpt3-175b",
+            rich_help_panel=opt.GPU_MODEL,
         ),
     ] = None,
+    config: opt.ModelConfig = None,
+    layers: opt.Layers = None,
+    hidden: opt.Hidden = None,
+    heads: opt.Heads = None,
+    kv_heads: opt.KvHeads = None,
+    ffn: opt.Ffn = None,
+    vocab: opt.Vocab = None,
+    tied: opt.Tied = None,
+    gpu: opt.GpuName = None,
+    num_gpus: opt.NumGpus = None,
+    dp: opt.Dp = None,
+    pp: opt.Pp = None,
+    tp: opt.Tp = None,
+    virtual_stages: opt.VirtualStages = None,
+    micro_batch: opt.MicroBatch = None,
+    recompute: opt.Recompute = None,
+    sharding: opt.Sharding = None,
     global_batch_tokens: Annotated[
-        int,
-        typer.Option(min=1, help="with --model: tokens per step (default: 4Mi)"),
-    ] = 4 * 2**20,
+        int | None,
+        typer.Option(
+            min=1,
+            help="GPU models: tokens per step, a multiple of the sequence length "
+            "(default: 4Mi)",
+            rich_help_panel=opt.GPU_MODEL,
+        ),
+    ] = None,
     batch: opt.Batch = None,
     seq: opt.Seq = None,
     schedules: Schedules = "",
     max_microbatches: MaxMicrobatches = 16,
     json: opt.Json = False,
 ) -> int:
-    if model is not None and workload is not None:
-        raise ValueError("give --workload or --model, not both")
-    if model is not None and (batch is not None or seq is not None):
-        raise ValueError(
-            "--batch and --seq apply to --workload; with --model the step's size is "
-            "--global-batch-tokens"
+    given = locals()
+    numbers = [k for k in _MODEL_NUMBERS if given[k] is not None]
+    described = [
+        x
+        for x, on in (
+            ("--model", model),
+            ("--config", config),
+            ("--layers ...", numbers),
         )
-    return _run(_namespace("plan", locals()))
+        if on
+    ]
+    gpu_only = [
+        _flag(k)
+        for k in (*_LAYOUT, "gpu", "num_gpus", "global_batch_tokens")
+        if given[k] is not None
+    ] + (["--tied"] if tied is not None else [])
+    if not described:
+        if gpu_only:
+            raise ValueError(
+                f"{', '.join(gpu_only)} apply to a GPU model; describe it with "
+                "--model, --config or --layers/--hidden/... (or drop them)"
+            )
+        if cluster is None:
+            raise ValueError("give --cluster FILE for the devices to plan across")
+        return _run(_namespace("plan", given))
+    if workload is not None:
+        raise ValueError(f"give --workload or {described[0]}, not both")
+    if len(described) > 1:
+        raise ValueError(f"give one of {', '.join(described)} to describe the model")
+    if batch is not None:
+        raise ValueError(
+            "--batch applies to --workload; a GPU model's step is --global-batch-tokens"
+        )
+    if schedules or max_microbatches != 16:
+        raise ValueError(
+            "--schedules and --max-microbatches apply to --workload; for a GPU model "
+            "give --virtual-stages and --micro-batch"
+        )
+    return _plan_gpu(**given)
+
+
+def _plan_gpu(**a: Any) -> int:
+    from partition.cluster import load_cluster
+    from partition.gpu import (
+        MODELS,
+        GpuSystem,
+        TransformerSpec,
+        evaluate_given,
+        plan_layout,
+    )
+
+    if a["model"] is not None:
+        if a["model"] not in MODELS:
+            raise ValueError(
+                f"unknown model {a['model']!r}; give one of {', '.join(MODELS)}, or "
+                "--config FILE, or --layers/--hidden/..."
+            )
+        spec = MODELS[a["model"]].with_seq(a["seq"])
+    elif a["config"] is not None:
+        spec = TransformerSpec.from_config(a["config"], a["seq"])
+    else:
+        missing = [
+            _flag(k)
+            for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq")
+            if a[k] is None
+        ]
+        if missing:
+            raise ValueError(
+                f"an explicit model needs {', '.join(missing)} as well (or give "
+                "--config FILE)"
+            )
+        spec = TransformerSpec(
+            "model",
+            a["layers"],
+            a["hidden"],
+            a["ffn"],
+            a["heads"],
+            a["kv_heads"] or a["heads"],
+            a["vocab"],
+            a["seq"],
+            True,
+            bool(a["tied"]),
+        )
+    if a["config"] is not None or a["model"] is not None:
+        overrides = {k: a[k] for k in _MODEL_NUMBERS if a[k] is not None}
+        if a["tied"] is not None:
+            overrides["tied"] = a["tied"]
+        if overrides:
+            renamed = {
+                "layers": "num_layers",
+                "heads": "num_heads",
+                "kv_heads": "num_kv_heads",
+            }
+            fields = {renamed.get(k, k): v for k, v in overrides.items()}
+            spec = TransformerSpec(**{**spec.__dict__, **fields})
+    if a["cluster"] is not None:
+        if a["gpu"] is not None or a["num_gpus"] is not None:
+            raise ValueError("give --cluster FILE or --gpu and --num-gpus, not both")
+        system: Any = GpuSystem.from_cluster(load_cluster(a["cluster"]))
+    elif a["gpu"] is None or a["num_gpus"] is None:
+        raise ValueError(
+            "give the GPUs: --gpu TYPE and --num-gpus N (e.g. --gpu h100-80 "
+            "--num-gpus 64), or --cluster FILE"
+        )
+    else:
+        system = GpuSystem.of(a["gpu"], a["num_gpus"])
+    tokens = a["global_batch_tokens"] or 4 * 2**20
+    layout = [k for k in _LAYOUT if a[k] is not None]
+    if layout:
+        if a["pp"] is None or a["tp"] is None:
+            raise ValueError(
+                "a given layout needs --pp and --tp (--dp defaults to the rest of "
+                "the GPUs)"
+            )
+        n = system.num_gpus
+        if a["dp"] is None and n % (a["pp"] * a["tp"]):
+            raise ValueError(
+                f"pp {a['pp']} x tp {a['tp']} does not divide the {n} GPUs; give "
+                "degrees whose product divides the GPU count"
+            )
+        v = a["virtual_stages"] or 1
+        if v > spec.num_layers:
+            raise ValueError(
+                f"--virtual-stages {v} exceeds the {spec.num_layers} layers; give "
+                "at most the layer count"
+            )
+        lay = evaluate_given(
+            spec,
+            system,
+            tokens,
+            dp=a["dp"] or n // (a["pp"] * a["tp"]),
+            pp=a["pp"],
+            tp=a["tp"],
+            microbatch_size=a["micro_batch"] or 1,
+            recompute=a["recompute"] or "selective",
+            sharding=a["sharding"] or "fsdp",
+            stages_per_rank=v,
+        )
+    else:
+        lay = plan_layout(spec, system, tokens)
+    print(f"{system.name}: {system.num_gpus} GPUs, {system.gpu.rate_table()}")
+    print(lay.table())
+    if a["json"]:
+        print(lay.to_json())
+    return 0 if lay.fits else 1
 
 
 def simulate_command(
@@ -191,15 +373,6 @@ def _run(args: argparse.Namespace) -> int:
     elif args.partition_command == "run" and args.out:
         output_dir("--out", args.out)
     cluster = load_cluster(args.cluster)
-    if getattr(args, "model", None):
-        from partition.gpu import plan_layout
-
-        lay = plan_layout(args.model, cluster, args.global_batch_tokens)
-        print(cluster.name + ": " + f"{cluster.num_devices} GPUs")
-        print(lay.table())
-        if args.json:
-            print(lay.to_json())
-        return 0
     from partition.pipeline import SCHEDULES
     from partition.planner import plan_partition
     from partition.plans import PlannerConfig

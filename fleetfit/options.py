@@ -239,3 +239,85 @@ Progress = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+
+# ------------------------------------------------------------------- GPU layouts
+GPU_MODEL = "Model (GPU layouts)"
+GPU_HARDWARE = "GPUs"
+GPU_LAYOUT = "Layout to evaluate (else searched)"
+
+
+def _int_opt(name: str, help: str, panel: str) -> Any:
+    return Annotated[int | None, _opt(name, min=1, help=help, rich_help_panel=panel)]
+
+
+ModelConfig = Annotated[
+    str | None,
+    _opt(
+        "--config",
+        metavar="FILE",
+        help="a transformers config.json (Llama, Mistral or GPT-2 keys) describing "
+        "the model for the GPU layout model",
+        rich_help_panel=GPU_MODEL,
+    ),
+]
+Layers = _int_opt("--layers", "transformer layers (explicit model)", GPU_MODEL)
+Hidden = _int_opt("--hidden", "hidden size, elements (explicit model)", GPU_MODEL)
+Heads = _int_opt("--heads", "attention heads (explicit model)", GPU_MODEL)
+KvHeads = _int_opt(
+    "--kv-heads", "key/value heads (default: --heads, or the config's)", GPU_MODEL
+)
+Ffn = _int_opt(
+    "--ffn", "MLP inner width, elements; SwiGLU assumed (explicit model)", GPU_MODEL
+)
+Vocab = _int_opt("--vocab", "vocabulary size, tokens (explicit model)", GPU_MODEL)
+Tied = Annotated[
+    bool | None,
+    _opt(
+        "--tied/--untied",
+        help="input embedding and output head share one matrix (default: the "
+        "config's, untied for explicit numbers)",
+        rich_help_panel=GPU_MODEL,
+        show_default=False,
+    ),
+]
+GpuName = Annotated[
+    str | None,
+    _opt(
+        "--gpu",
+        metavar="TYPE",
+        help="GPU type with its memory: a100-40, a100-80, h100-80, h100-94 "
+        "(h100-nvl), h100-96 (gh200); instead of --cluster",
+        rich_help_panel=GPU_HARDWARE,
+    ),
+]
+NumGpus = _int_opt("--num-gpus", "number of GPUs of --gpu, 8 to a host", GPU_HARDWARE)
+Dp = _int_opt("--dp", "data-parallel degree (default: GPUs / (pp x tp))", GPU_LAYOUT)
+Pp = _int_opt("--pp", "pipeline-parallel degree (stages)", GPU_LAYOUT)
+Tp = _int_opt("--tp", "tensor-parallel degree, within a host", GPU_LAYOUT)
+VirtualStages = _int_opt(
+    "--virtual-stages",
+    "stages per pipeline rank, interleaved 1F1B above 1, up to the layer count "
+    "(default: 1)",
+    GPU_LAYOUT,
+)
+MicroBatch = _int_opt(
+    "--micro-batch", "sequences per micro-batch (default: 1)", GPU_LAYOUT
+)
+Recompute = Annotated[
+    str | None,
+    _opt(
+        "--recompute",
+        metavar="none|selective|full",
+        help="activation recompute (default: selective)",
+        rich_help_panel=GPU_LAYOUT,
+    ),
+]
+Sharding = Annotated[
+    str | None,
+    _opt(
+        "--sharding",
+        metavar="ddp|zero1|fsdp",
+        help="data-parallel sharding of weights and optimizer state (default: fsdp)",
+        rich_help_panel=GPU_LAYOUT,
+    ),
+]
