@@ -135,6 +135,7 @@ class SimulationSettings:
                 seed=self.shape.seed,
                 alpha=self.shape.dirichlet_alpha,
                 classes=fleet.classes or None,
+                public_share=self.shape.public_share,
             )
         return cfg
 
