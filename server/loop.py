@@ -27,6 +27,7 @@ from server.aggregate import (
     weighted_average,
 )
 from server.assign import Assigner, Assignment
+from server.class_metrics import class_metrics, class_test_items
 from server.config import ServerConfig
 from server.fedopt import ServerOptimizer
 from server.onnx_rounds import OnnxRounds
@@ -64,6 +65,7 @@ class Federation:
             _load_init_model(self.model, cfg.init_model, cfg.shape.workload)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
+        self._class_items: dict[int, Any] | None = None  # class_metrics' data
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
         self.offline: list[int] = []  # this round's nodes drawn offline
         self.discovery_errors: list[str] = []  # this round's refused facts
@@ -354,6 +356,9 @@ class Federation:
         }
         if "perplexity" in metrics:
             record["perplexity"] = metrics["perplexity"]
+        by_class = self._class_metrics()
+        if by_class:  # the metric on each device class's own held-out data
+            record["class_metrics"] = by_class
         if dp_record is not None:
             record["dp"] = dp_record
         self.onnx.add_federated_eval(record, reports)
@@ -533,6 +538,23 @@ class Federation:
             else:
                 kept.append(u)
         return kept, round_s
+
+    def _class_metrics(self) -> dict[str, float]:
+        """The model's metric on each device class's own held-out data, by class
+        index (``server.class_metrics``), where the split follows the classes."""
+        cfg = self.cfg
+        if cfg.shape.split != "natural" or not cfg.fleet.classes:
+            return {}
+        if self.workload.own_data or self.workload.dataset == "example":
+            return {}
+        if self._class_items is None:
+            self._class_items = class_test_items(
+                self.workload,
+                cfg.fleet.classes,
+                public_share=cfg.shape.public_share,
+                eval_windows=cfg.eval_windows,
+            )
+        return class_metrics(self.workload, self.model, self._class_items)
 
     def _sim_step_s(self, a: Assignment, partition_id: int) -> float:
         """A device's simulated step time: its plan's predicted time on this machine
