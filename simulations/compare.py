@@ -304,6 +304,19 @@ def summarize(
             "devices": len(mine),
         }
     values = [r[metric] for r in summary["rounds"] if r.get(metric) is not None]
+    rounds = [  # the server's per-class metrics by class name, not index
+        r
+        if not isinstance(r.get("class_metrics"), dict)
+        else {
+            **r,
+            "class_metrics": {
+                names[int(k)]: v
+                for k, v in r["class_metrics"].items()
+                if str(k).isdigit() and int(k) < len(names)
+            },
+        }
+        for r in summary["rounds"]
+    ]
     return {
         "workload": workload or fleet.shape.workload,
         "participation": contributed_all / sampled_all if sampled_all else 0.0,
@@ -320,7 +333,7 @@ def summarize(
         if summary["rounds"]
         else None,
         "classes": classes,
-        "rounds": summary["rounds"],
+        "rounds": rounds,
     }
 
 
