@@ -100,4 +100,3 @@ def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
     assert len(rows) == 3 and all(float(r["sim_elapsed_s"]) > 0 for r in rows)
     assert (out / "metric_time.png").read_bytes()[:4] == b"\x89PNG"
     assert "simulated s" in (out / "report.md").read_text()
-    print({n: (e["sim_s"], e["final_metric"], e["pretrain"]) for n, e in s.items()})
