@@ -529,10 +529,10 @@ class Federation:
         deadline = self.cfg.round_deadline_s
         round_s, late = round_time(times, deadline)
         kept: list[Update] = []
-        for u, t, is_late in zip(updates, times, late, strict=True):
+        for u, total_s, is_late in zip(updates, times, late, strict=True):
             if is_late:
                 reports[u.node_id]["status"] = (
-                    f"late: {t:.1f} simulated s > round-deadline {deadline:g} s"
+                    f"late: {total_s:.1f} simulated s > round-deadline {deadline:g} s"
                 )
                 log.debug("round %d: node %s late", server_round, u.node_id)
             else:

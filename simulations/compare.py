@@ -404,8 +404,8 @@ def class_eval(
             public_share=fleet.shape.public_share,
             eval_windows=fleet.eval_windows,
         )
-        for k, value in class_metrics(trained, model, items).items():
-            out[fleet.classes[int(k)].name] = value
+        for index, value in class_metrics(trained, model, items).items():
+            out[fleet.classes[int(index)].name] = value
     else:
         whole = trained.evaluate(model, wl.items(train=False))[metric]
         out = {c.name: whole for c in fleet.classes}

@@ -284,7 +284,7 @@ def compare_csv(compare: dict[str, Any]) -> str:
 def rounds_csv(compare: dict[str, Any]) -> str:
     """``rounds.csv``: one row per strategy and round; ``metric`` is ``metric_name``."""
     metric = validate(compare)
-    keys = ("round", metric, "loss", "num_clients", "num_sampled")
+    keys: tuple[str, ...] = ("round", metric, "loss", "num_clients", "num_sampled")
     keys += ("sim_round_s", "sim_elapsed_s")
     classes = class_names(compare)
     rows = [
