@@ -286,6 +286,7 @@ def train(msg: Message, context: Context) -> Message:
         seed=shape.seed,
         server_round=ins.server_round,
         local_steps=shape.local_steps,
+        public_share=shape.public_share,
     )
     result = train_assigned(
         state,

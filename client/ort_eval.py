@@ -46,6 +46,7 @@ def evaluate_only(content: Any, node: NodeConfig, ins: TrainInstruction) -> Eval
         seed=shape.seed,
         alpha=shape.dirichlet_alpha,
         classes=ins.classes or None,
+        public_share=shape.public_share,
     )
     x, y = workload.eval_arrays(items)
     with tempfile.TemporaryDirectory(prefix="fleetfit-eval-only-") as tmp:

@@ -84,6 +84,7 @@ def draw_batches(
     server_round: int,
     local_steps: int,
     classes: Sequence[int] | None = None,
+    public_share: float = 0.0,
 ) -> tuple[list[Batch], int, int]:
     """This round's batches, the share's item count, and the torch seed of the steps.
 
@@ -100,7 +101,13 @@ def draw_batches(
         )
         return batches, n, int(torch_seed.generate_state(1)[0])
     items = workload.client_items(
-        partition_id, num_partitions, split, seed=seed, alpha=alpha, classes=classes
+        partition_id,
+        num_partitions,
+        split,
+        seed=seed,
+        alpha=alpha,
+        classes=classes,
+        public_share=public_share,
     )
     data_seed, torch_seed = np.random.SeedSequence(
         [seed, server_round, partition_id]

@@ -82,6 +82,13 @@ def _speed(entry: Any) -> float:
     return value
 
 
+def _link(entry: Any) -> float:
+    value = _number(entry)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError("bytes per second > 0, comma-separated")
+    return value
+
+
 def _probability(entry: Any) -> float:
     value = _number(entry)
     if not 0 < value <= 1:
@@ -120,6 +127,15 @@ class FleetConfig:
         default=(), metadata={"key": FLEET_SPEEDS, "item": _speed}
     )
     #   [fleet-speeds] factors on the measured speed
+    uplinks: tuple[float, ...] = field(
+        default=(), metadata={"key": "fleet-uplinks", "item": _link}
+    )
+    #   [fleet-uplinks] bytes/s device -> server, for the simulated round time
+    #   (server/simtime.py); (): not modelled
+    downlinks: tuple[float, ...] = field(
+        default=(), metadata={"key": "fleet-downlinks", "item": _link}
+    )
+    #   [fleet-downlinks] bytes/s server -> device
     availability: tuple[float, ...] = field(
         default=(), metadata={"key": "fleet-availability", "item": _probability}
     )
@@ -135,6 +151,15 @@ class FleetConfig:
         """The probability that partition ``partition_id``'s node is online a round."""
         a = self.availability
         return a[partition_id % len(a)] if a else 1.0
+
+    def links(self, partition_id: int) -> tuple[float | None, float | None]:
+        """(downlink, uplink) of partition ``partition_id`` in bytes/s (None: not
+        given)."""
+        down, up = self.downlinks, self.uplinks
+        return (
+            down[partition_id % len(down)] if down else None,
+            up[partition_id % len(up)] if up else None,
+        )
 
     def to_query(self) -> dict[str, str]:
         """The fleet description sent with queries (non-empty lists only), as the
@@ -161,7 +186,15 @@ class ServerConfig:
     min_replies: int = 1  # [min-replies] replies a round needs to change the model
     train_time_s: float = field(default=0.0, metadata={"key": "train-time"})
     #   [train-time] seconds of local training per round; a slow node gets fewer
-    #   steps. 0: half of round-timeout
+    #   steps. 0: half of round-deadline if set, else half of round-timeout
+    round_deadline_s: float = field(default=0.0, metadata={"key": "round-deadline"})
+    #   [round-deadline] simulated seconds a device may take for its round (local
+    #   steps x its predicted step time + its messages over fleet-downlinks and
+    #   fleet-uplinks, server/simtime.py); a device over it is late and its update
+    #   is dropped. 0: no deadline
+    init_model: str = ""  # [init-model] a safetensors file (server.persist's
+    #   model.safetensors) the model starts from instead of its seeded
+    #   initialisation, e.g. a pretrained model; "": from scratch
     norm_bound: float = 10.0  # [norm-bound] reject updates whose relative change is
     #   above this many times the round's median; 0 disables
     max_examples: int = 1_000_000  # [max-examples] examples a reply may claim; a
@@ -222,6 +255,12 @@ class ServerConfig:
             raise bad(
                 "proximal-mu", shape.proximal_mu, "must be >= 0 (0: no proximal term)"
             )
+        if not 0 <= shape.public_share <= 0.5:
+            raise bad(
+                "public-share",
+                shape.public_share,
+                "must be in [0, 0.5] (0: every training item is the clients')",
+            )
         if not 0 < self.fraction_train <= 1:
             raise bad("fraction-train", self.fraction_train, "must be in (0, 1]")
         if self.min_nodes < 1:
@@ -234,6 +273,12 @@ class ServerConfig:
             raise bad("min-replies", self.min_replies, "must be >= 0")
         if not (self.train_time_s >= 0 and math.isfinite(self.train_time_s)):
             raise bad("train-time", self.train_time_s, "must be >= 0 seconds")
+        if not (self.round_deadline_s >= 0 and math.isfinite(self.round_deadline_s)):
+            raise bad(
+                "round-deadline",
+                self.round_deadline_s,
+                "must be >= 0 simulated seconds (0: no deadline)",
+            )
         if not (self.norm_bound >= 0 and math.isfinite(self.norm_bound)):
             raise bad("norm-bound", self.norm_bound, "must be >= 0")
         if not 1 <= self.max_examples <= 2**53:
@@ -316,7 +361,7 @@ class ServerConfig:
     @property
     def train_time(self) -> float:
         """Seconds of local training a node may spend per round."""
-        return self.train_time_s or self.round_timeout_s / 2
+        return self.train_time_s or (self.round_deadline_s or self.round_timeout_s) / 2
 
 
 def _check_fleet(fleet: FleetConfig) -> None:

@@ -27,9 +27,11 @@ from server.aggregate import (
     weighted_average,
 )
 from server.assign import Assigner, Assignment
+from server.class_metrics import class_metrics, class_test_items
 from server.config import ServerConfig
 from server.fedopt import ServerOptimizer
 from server.onnx_rounds import OnnxRounds
+from server.simtime import device_time, round_time
 from server.submodel import STRATEGIES as SUBMODEL_STRATEGIES
 from server.submodel import SubmodelAssigner, expand
 from wire import keys
@@ -61,8 +63,11 @@ class Federation:
         self.transport = transport
         self.workload = cfg.load_workload()
         self.model = self.workload.make_model(cfg.shape.seed)
+        if cfg.init_model:
+            _load_init_model(self.model, cfg.init_model, cfg.shape.workload)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
+        self._class_items: dict[int, Any] | None = None  # class_metrics' data
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
         self.offline: list[int] = []  # this round's nodes drawn offline
         self.discovery_errors: list[str] = []  # this round's refused facts
@@ -277,6 +282,10 @@ class Federation:
             )
         replies = self.transport.train(instructions, server_round, cfg.round_timeout_s)
         updates, train_losses, errors, reports = self._collect(replies, assignments)
+        down_bytes = sum(len(x.data) for x in full_arrays.values())
+        updates, sim_round_s = self._simulated_time(
+            updates, assignments, reports, down_bytes, server_round
+        )
         errors[:0], self.discovery_errors = self.discovery_errors, []
         if not sampled:
             msg = (
@@ -348,8 +357,14 @@ class Federation:
             "num_offline": len(self.offline),
             "num_failed": len(sampled) - len(ok) - none,
             "num_rejected": len(rejected),
+            "num_late": sum(
+                str(r.get("status", "")).startswith("late") for r in reports.values()
+            ),
             "train_loss": float(np.mean(train_losses)) if train_losses else None,
             "round_s": time.monotonic() - t0,
+            # simulated time (server/simtime.py): this round, and all rounds so far
+            "sim_round_s": sim_round_s,
+            "sim_elapsed_s": self._sim_elapsed() + sim_round_s,
             "assignments": [
                 self._assignment_record(n, assignments[n], reports.get(n))
                 for n in sampled
@@ -357,6 +372,9 @@ class Federation:
         }
         if "perplexity" in metrics:
             record["perplexity"] = metrics["perplexity"]
+        by_class = self._class_metrics()
+        if by_class:  # the metric on each device class's own held-out data
+            record["class_metrics"] = by_class
         if dp_record is not None:
             record["dp"] = dp_record
         self.onnx.add_federated_eval(record, reports)
@@ -420,10 +438,14 @@ class Federation:
             "width": a.width,
             "local_steps": a.local_steps,
             "predicted_peak_bytes": a.predicted_peak_bytes or None,
+            "predicted_step_s": a.predicted_step_s or None,
             "min_budget_bytes": a.min_budget_bytes or None,
             "measured_peak_bytes": report.get("measured_peak_bytes"),
             "peak_method": report.get("peak_method"),
             "message_bytes": report.get("message_bytes"),
+            "up_bytes": report.get("up_bytes"),
+            "sim_step_s": report.get("sim_step_s"),
+            "sim_s": report.get("sim_s"),
             "train_s": report.get("train_s"),
             "num_examples": report.get("num_examples"),
             # the weight it got in the average: num_examples capped at max-examples,
@@ -515,6 +537,81 @@ class Federation:
                 errors.append(f"node {node_id}: no reply within the round's deadline")
         return updates, losses, errors, reports
 
+    def _simulated_time(
+        self,
+        updates: list[Update],
+        assignments: dict[int, Assignment],
+        reports: dict[int, dict[str, Any]],
+        down_bytes: int,
+        server_round: int,
+    ) -> tuple[list[Update], float]:
+        """Each update's simulated round time (``server.simtime``), the updates that
+        made ``round-deadline`` (a late one is dropped: a real server would not wait
+        for it), and the round's simulated length."""
+        times: list[float] = []
+        for u in updates:
+            a = assignments[u.node_id]
+            down, up = self.cfg.fleet.links(max(u.partition_id, 0))
+            up_bytes = sum(v.numel() * v.element_size() for v in u.state.values())
+            step_s = self._sim_step_s(a, u.partition_id)
+            t = device_time(
+                steps=a.local_steps,
+                step_s=step_s,
+                down_bytes=down_bytes,
+                up_bytes=up_bytes,
+                downlink_bytes_per_s=down,
+                uplink_bytes_per_s=up,
+            )
+            reports[u.node_id]["up_bytes"] = up_bytes
+            reports[u.node_id]["sim_step_s"] = step_s
+            reports[u.node_id]["sim_s"] = t.total_s
+            times.append(t.total_s)
+        deadline = self.cfg.round_deadline_s
+        round_s, late = round_time(times, deadline)
+        kept: list[Update] = []
+        for u, total_s, is_late in zip(updates, times, late, strict=True):
+            if is_late:
+                reports[u.node_id]["status"] = (
+                    f"late: {total_s:.1f} simulated s > round-deadline {deadline:g} s"
+                )
+                log.debug("round %d: node %s late", server_round, u.node_id)
+            else:
+                kept.append(u)
+        return kept, round_s
+
+    def _class_metrics(self) -> dict[str, float]:
+        """The model's metric on each device class's own held-out data, by class
+        index (``server.class_metrics``), where the split follows the classes."""
+        cfg = self.cfg
+        if cfg.shape.split != "natural" or not cfg.fleet.classes:
+            return {}
+        if self.workload.own_data or self.workload.dataset == "example":
+            return {}
+        if self._class_items is None:
+            self._class_items = class_test_items(
+                self.workload,
+                cfg.fleet.classes,
+                public_share=cfg.shape.public_share,
+                eval_windows=cfg.eval_windows,
+            )
+        return class_metrics(self.workload, self.model, self._class_items)
+
+    def _sim_step_s(self, a: Assignment, partition_id: int) -> float:
+        """A device's simulated step time: its plan's predicted time on this machine
+        (the memory model) over its ``fleet-speeds`` factor, so that it does not
+        depend on a node's noisy rate measurement; without fleet speeds, the time
+        the assigner scaled by the node's measured rate."""
+        speeds = self.cfg.fleet.speeds
+        if a.plan is None or not speeds or partition_id < 0:
+            return a.predicted_step_s
+        return a.plan.predicted_step_s / speeds[partition_id % len(speeds)]
+
+    def _sim_elapsed(self) -> float:
+        """Simulated seconds of the rounds recorded so far (a resumed run's too)."""
+        rounds = self.summary.get("rounds", [])
+        last = rounds[-1].get("sim_elapsed_s") if rounds else None
+        return float(last) if isinstance(last, int | float) else 0.0
+
     def _expected_keys(self, a: Assignment) -> frozenset[str] | None:
         """The keys a reply to ``a`` must carry (None: every key of the model)."""
         if a.window is None:
@@ -546,6 +643,30 @@ class Federation:
             strategy,
             self.server_opt.state_dict() if self.server_opt.active else None,
         )
+
+
+def _load_init_model(model: torch.nn.Module, path: str, workload: str) -> None:
+    """Start ``model`` from the weights in ``path`` (run-config ``init-model``).
+
+    Raises:
+        ValueError: no such file, not a safetensors file, or another model's keys or
+            shapes (naming the file and the fix).
+    """
+    try:
+        state, _ = persist.load_model(path)
+    except (FileNotFoundError, persist.CheckpointError) as e:
+        raise ValueError(
+            f"run-config init-model={path!r} is invalid: {e}; give a safetensors "
+            "file of this workload's model, or '' to start from scratch"
+        ) from None
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # keys or shapes of another model
+        raise ValueError(
+            f"run-config init-model={path!r} does not fit {workload} "
+            f"({str(e).splitlines()[0][:200]}): give a model of this workload"
+        ) from None
+    log.info("model starts from %s", path)
 
 
 def _trained(updates: list[Update]) -> frozenset[str]:

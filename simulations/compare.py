@@ -33,21 +33,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from memory.sizes import format_bytes
+from server.class_metrics import class_metrics, class_test_items
 from server.config import ExportConfig, ServerConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
 from workloads import Workload, get_workload
-from workloads.splits import class_groups, split_indices
+from workloads.splits import split_indices
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("fleetfit", "exclude", "smallest-model", "heterofl", "fedrolex")
 SUBMODEL_STRATEGIES = ("heterofl", "fedrolex")
-CLASS_EVAL_WINDOWS = 64
-"""Held-out windows per device class for a language model's per-class metric."""
 SCALES = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 """The model sizes ``smallest-model`` tries, largest first (``NAME@SCALE``)."""
 
@@ -126,6 +123,7 @@ def settings_for(
     out: str | Path,
     *,
     workload: str | None = None,
+    init_model: str = "",
     **engine: Any,
 ) -> SimulationSettings:
     """The simulation of one strategy on ``fleet``.
@@ -151,15 +149,24 @@ def settings_for(
             onnx="off", eval_only="onnxruntime" if strategy == "fleetfit" else "off"
         ),
         eval_windows=fleet.eval_windows,
+        round_deadline_s=fleet.round_deadline_s,
+        init_model=init_model,
         **engine,
     )
 
 
 def run_strategy(
-    fleet: Fleet, strategy: str, out: str | Path, **engine: Any
+    fleet: Fleet,
+    strategy: str,
+    out: str | Path,
+    *,
+    pretrain_dir: str | Path | None = None,
+    **engine: Any,
 ) -> dict[str, Any]:
     """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry
-    (``engine``: see ``settings_for``)."""
+    (``engine``: see ``settings_for``). With a ``[pretrain]`` table the strategy's
+    model is pretrained first, or taken from the cache in ``pretrain_dir`` (default
+    ``out/pretrain``)."""
     workload = None
     if strategy == "smallest-model":
         shrunk, need = smallest_model(fleet)
@@ -167,7 +174,19 @@ def run_strategy(
         log.info(
             "smallest-model: %s (plain step needs %s)", workload, format_bytes(need)
         )
-    settings = settings_for(fleet, strategy, out, workload=workload, **engine)
+    init_model, pretrained = "", None
+    if fleet.pretrain is not None:
+        from simulations.pretrain import pretrained_model
+
+        pretrained = pretrained_model(
+            fleet,
+            workload or fleet.shape.workload,
+            Path(out) / "pretrain" if pretrain_dir is None else pretrain_dir,
+        )
+        init_model = str(pretrained.path)
+    settings = settings_for(
+        fleet, strategy, out, workload=workload, init_model=init_model, **engine
+    )
     t0 = time.monotonic()
     summary = simulate(settings)
     wall = time.monotonic() - t0
@@ -176,6 +195,8 @@ def run_strategy(
         from simulations.baselines import sizing
 
         entry["sizing"] = sizing(fleet, strategy)
+    if pretrained is not None:
+        entry["pretrain"] = {**pretrained.record, "cached": pretrained.cached}
     return entry
 
 
@@ -208,7 +229,9 @@ def compare(
     entries: dict[str, dict[str, Any]] = {}
     for name in names:
         log.info("strategy %s on fleet %s", name, fleet.name)
-        entries[name] = run_strategy(fleet, name, out / name, **engine)
+        entries[name] = run_strategy(
+            fleet, name, out / name, pretrain_dir=out / "pretrain", **engine
+        )
         entries[name]["run_folder"] = name
     metric = next(iter(entries.values()))["metric_name"]
     higher = metric == "accuracy"
@@ -293,6 +316,19 @@ def summarize(
             "devices": len(mine),
         }
     values = [r[metric] for r in summary["rounds"] if r.get(metric) is not None]
+    rounds = [  # the server's per-class metrics by class name, not index
+        r
+        if not isinstance(r.get("class_metrics"), dict)
+        else {
+            **r,
+            "class_metrics": {
+                names[int(k)]: v
+                for k, v in r["class_metrics"].items()
+                if str(k).isdigit() and int(k) < len(names)
+            },
+        }
+        for r in summary["rounds"]
+    ]
     return {
         "workload": workload or fleet.shape.workload,
         "participation": contributed_all / sampled_all if sampled_all else 0.0,
@@ -304,8 +340,12 @@ def summarize(
         "metric_name": metric,
         "rounds_to_target": None,
         "wall_s": wall_s,
+        # simulated seconds of all rounds (server/simtime.py; None: an older run)
+        "sim_s": summary["rounds"][-1].get("sim_elapsed_s")
+        if summary["rounds"]
+        else None,
         "classes": classes,
-        "rounds": summary["rounds"],
+        "rounds": rounds,
     }
 
 
@@ -318,7 +358,7 @@ def partition_sizes(fleet: Fleet, wl: Workload) -> list[int]:
         return [
             wl.node_data(p, fleet.clients).num_examples for p in range(fleet.clients)
         ]
-    items = wl.items(train=True)
+    items = wl.private_items(fleet.shape.public_share)
     parts = split_indices(
         items.groups,
         fleet.clients,
@@ -336,7 +376,7 @@ def class_eval(
     """The final model's metric on each class's own held-out data.
 
     With a natural split a class's data is the held-out items of the groups it owns
-    (for language models its first ``CLASS_EVAL_WINDOWS`` windows); with iid or
+    (for language models its first ``server.class_metrics.CLASS_EVAL_WINDOWS``); with iid or
     Dirichlet splits every class is measured on the whole held-out set.
     """
     import torch
@@ -369,17 +409,16 @@ def class_eval(
             if batches:
                 out[c.name] = evaluate_batches(model, batches, trained.loss_fn)[metric]
         return out
-    test = wl.items(train=False)
     if fleet.shape.split == "natural":
-        owner = class_groups(wl.items(train=True).groups, fleet.partition_class)
-        for k, c in enumerate(fleet.classes):
-            mine = [g for g, o in owner.items() if o == k]
-            idx = np.flatnonzero(np.isin(test.groups, mine))
-            if wl.kind == "lm":
-                idx = idx[: min(CLASS_EVAL_WINDOWS, fleet.eval_windows)]
-            if len(idx):
-                out[c.name] = trained.evaluate(model, test.subset(idx))[metric]
+        items = class_test_items(
+            wl,
+            fleet.partition_class,
+            public_share=fleet.shape.public_share,
+            eval_windows=fleet.eval_windows,
+        )
+        for index, value in class_metrics(trained, model, items).items():
+            out[fleet.classes[int(index)].name] = value
     else:
-        whole = trained.evaluate(model, test)[metric]
+        whole = trained.evaluate(model, wl.items(train=False))[metric]
         out = {c.name: whole for c in fleet.classes}
     return out

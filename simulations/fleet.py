@@ -25,6 +25,12 @@ the same parser, ``wire.flat``); the rest describes the devices::
     disk = "0"              # optional: local storage for offload/streaming ("0": none)
     speed = 0.5             # relative compute speed (1: this machine)
     availability = 0.9      # probability that a device is online in a round
+    downlink = "20Mbit/s"   # optional: server -> device (default DEFAULT_DOWNLINK)
+    uplink = "5Mbit/s"      # optional: device -> server (default DEFAULT_UPLINK)
+
+    [pretrain]              # optional: train centrally before round 1 on data held
+    share = 0.2             #   out from every device (simulations/pretrain.py)
+    steps = 200
 
 The names fleet files had before (``rounds``, ``fraction``, ``local_steps``,
 ``eval_windows``, ``[workload] name/batch/seq/lr``, ``[split] kind/alpha``) are still
@@ -43,7 +49,7 @@ import json
 import logging
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,7 @@ import numpy as np
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
 from server.config import FleetConfig, ServerConfig
+from simulations.pretrain import Pretrain, parse_pretrain
 from wire.flat import flat_keys, from_flat
 from wire.shape import RunShape
 
@@ -62,8 +69,21 @@ FLEETS_DIR = Path(__file__).parent / "fleets"
 
 _SERVER = ServerConfig()  # the run config's defaults, which a fleet file keeps
 
-RUN_KEYS = (*flat_keys(RunShape), "num-server-rounds", "fraction-train", "eval-windows")
+RUN_KEYS = (
+    *(k for k in flat_keys(RunShape) if k != "public-share"),  # [pretrain] share
+    "num-server-rounds",
+    "fraction-train",
+    "eval-windows",
+    "round-deadline",
+)
 """The run-config keys a fleet file may set (``ServerConfig``'s names and defaults)."""
+
+DEFAULT_DOWNLINK = "20Mbit/s"
+"""A class's link server -> device when its ``downlink`` is not given (a typical
+mobile or home download rate)."""
+DEFAULT_UPLINK = "5Mbit/s"
+"""A class's link device -> server when its ``uplink`` is not given (upload rates are
+a quarter of download rates on typical mobile and home links)."""
 
 RENAMED = {
     "rounds": "num-server-rounds",
@@ -82,8 +102,18 @@ RENAMED = {
 _OLD_DEFAULTS = {"local-steps": 5, "split": "natural"}
 """The fleet-file defaults that differed from the run config's (warned when relied on)."""
 
-_TOP = {"name", "description", "clients", "classes", "sources", *RUN_KEYS}
-_CLASS = {"name", "share", "memory", "disk", "speed", "availability", "note"}
+_TOP = {"name", "description", "clients", "classes", "sources", "pretrain", *RUN_KEYS}
+_CLASS = {
+    "name",
+    "share",
+    "memory",
+    "disk",
+    "speed",
+    "availability",
+    "note",
+    "uplink",
+    "downlink",
+}
 
 
 class FleetError(ValueError):
@@ -103,6 +133,8 @@ class DeviceClass:
     speed: float = 1.0  # relative compute speed
     availability: float = 1.0  # probability of being online in a round
     memory_kind: str = "fixed"  # fixed | range | choices
+    downlink_bytes_per_s: float = 2.5e6  # server -> device (DEFAULT_DOWNLINK)
+    uplink_bytes_per_s: float = 6.25e5  # device -> server (DEFAULT_UPLINK)
 
     @property
     def budget_range(self) -> tuple[int, int]:
@@ -123,6 +155,9 @@ class Fleet:
     #   online devices sampled per round
     eval_windows: int = _SERVER.eval_windows  # [eval-windows] language models:
     #   held-out windows per round
+    round_deadline_s: float = _SERVER.round_deadline_s  # [round-deadline] simulated
+    #   seconds a device's round may take (server/simtime.py); 0: none
+    pretrain: Pretrain | None = None  # [pretrain]: None trains from scratch
     description: str = ""
     file: str = ""
     partition_class: tuple[int, ...] = field(default=())  # class index per device
@@ -137,6 +172,8 @@ class Fleet:
             disk_budgets=tuple(c.disk_bytes for c in per),
             speeds=tuple(c.speed for c in per),
             availability=tuple(c.availability for c in per),
+            downlinks=tuple(c.downlink_bytes_per_s for c in per),
+            uplinks=tuple(c.uplink_bytes_per_s for c in per),
             classes=self.partition_class if self.shape.split == "natural" else (),
         )
 
@@ -159,6 +196,8 @@ class Fleet:
                     "disk_bytes": c.disk_bytes,
                     "speed": c.speed,
                     "availability": c.availability,
+                    "downlink_bytes_per_s": c.downlink_bytes_per_s,
+                    "uplink_bytes_per_s": c.uplink_bytes_per_s,
                 }
             )
         return {
@@ -171,6 +210,8 @@ class Fleet:
             "local_steps": self.shape.local_steps,
             "seed": self.shape.seed,
             "split": self.shape.split,
+            "round_deadline_s": self.round_deadline_s,
+            "pretrain": self.pretrain.describe() if self.pretrain else None,
             "classes": classes,
             "partition_class": [self.classes[k].name for k in self.partition_class],
         }
@@ -251,6 +292,10 @@ def parse_fleet(data: dict[str, Any], file: str = "", **overrides: Any) -> Fleet
     shape = run.shape
     if shape.seed < 0:
         raise fail(f"seed = {shape.seed!r} must be an integer >= 0")
+    pretrain = None
+    if "pretrain" in data:
+        pretrain = parse_pretrain(data["pretrain"], shape, fail)
+        shape = replace(shape, public_share=pretrain.share)
 
     raw_classes = data.get("classes")
     if not isinstance(raw_classes, list) or not raw_classes:
@@ -286,6 +331,8 @@ def parse_fleet(data: dict[str, Any], file: str = "", **overrides: Any) -> Fleet
         num_server_rounds=run.num_server_rounds,
         fraction_train=run.fraction_train,
         eval_windows=run.eval_windows,
+        round_deadline_s=run.round_deadline_s,
+        pretrain=pretrain,
         description=str(data.get("description", "")),
         file=file,
         partition_class=partition_class,
@@ -385,7 +432,9 @@ def _device_class(raw: Any, i: int, fail: Any) -> DeviceClass:
     avail = _float(raw.get("availability", 1.0), at + "availability", fail)
     if not 0 < avail <= 1:
         raise fail(f"{at}availability = {avail!r} must be in (0, 1]")
-    return DeviceClass(name, share, mem, weights, disk, speed, avail, mkind)
+    down = _rate(raw.get("downlink", DEFAULT_DOWNLINK), at + "downlink", fail)
+    up = _rate(raw.get("uplink", DEFAULT_UPLINK), at + "uplink", fail)
+    return DeviceClass(name, share, mem, weights, disk, speed, avail, mkind, down, up)
 
 
 def _draw(c: DeviceClass, rng: np.random.Generator) -> int:
@@ -439,6 +488,37 @@ def _float(value: Any, key: str, fail: Any) -> float:
     if not math.isfinite(value):
         raise fail(f"{key} = {value!r} must be finite")
     return float(value)
+
+
+_BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def _rate(value: Any, key: str, fail: Any) -> float:
+    """A link speed in bytes/s: a number (bytes/s), or a string with its unit,
+    ``"5Mbit/s"`` (bits, decimal prefixes) or ``"1.5MB/s"``, ``"512KiB/s"``
+    (bytes)."""
+    fix = "give a rate such as '5Mbit/s' or '1MB/s' (or bytes/s as a number)"
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise fail(f"{key} = {value!r} is not a rate: {fix}")
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        if not text.lower().endswith("/s"):
+            raise fail(f"{key} = {value!r} has no '/s': {fix}")
+        amount = text[:-2]
+        unit = amount.lstrip("0123456789.eE+-").lower()
+        number = amount[: len(amount) - len(unit)]
+        try:
+            if unit in _BITS:
+                rate = float(number) * _BITS[unit] / 8
+            else:
+                rate = float(parse_bytes(amount, what=key))
+        except (ValueError, MemoryPlanError):
+            raise fail(f"{key} = {value!r} is not a rate: {fix}") from None
+    else:
+        rate = float(value)
+    if not (rate > 0 and math.isfinite(rate)):
+        raise fail(f"{key} = {value!r} must be a rate > 0: {fix}")
+    return rate
 
 
 def _size(value: Any, key: str, fail: Any, allow_zero: bool = False) -> int:

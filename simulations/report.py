@@ -34,6 +34,8 @@ METRIC_PNG = "metric.png"
 PARTICIPATION_PNG = "participation.png"
 PEAKS_PNG = "peaks.png"
 CLASS_METRIC_PNG = "class_metric.png"
+METRIC_TIME_PNG = "metric_time.png"
+CLASS_ROUNDS_PNG = "class_rounds.png"
 REPORT_MD = "report.md"
 
 _MISSING = "-"
@@ -210,6 +212,7 @@ def headline(compare: dict[str, Any]) -> list[dict[str, Any]]:
             "best_metric": best_metric(s, metric),
             "rounds_to_target": rounds_to_target(s, metric, compare.get("target")),
             "wall_s": _number(s.get("wall_s")),
+            "sim_s": _number(s.get("sim_s")),
         }
         for cls in class_names(compare):
             row[_PEAK + cls] = _class_value(s, cls, "worst_peak_over_budget")
@@ -221,7 +224,7 @@ def _table(compare: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     metric = validate(compare)
     headers = ["strategy", "workload", "participation (%)", "data share (%)"]
     headers += [f"final {metric}", f"best {metric}", "rounds to target"]
-    headers += ["worst peak/budget", "wall s"]
+    headers += ["worst peak/budget", "wall s", "simulated s"]
     rows = []
     for h in headline(compare):
         rows.append(
@@ -235,6 +238,7 @@ def _table(compare: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _fmt_number(h["rounds_to_target"], "d"),
                 _fmt_peaks(h),
                 _fmt_number(h["wall_s"], ".1f"),
+                _fmt_number(h["sim_s"], ".1f"),
             ]
         )
     return headers, rows
@@ -280,16 +284,44 @@ def compare_csv(compare: dict[str, Any]) -> str:
 def rounds_csv(compare: dict[str, Any]) -> str:
     """``rounds.csv``: one row per strategy and round; ``metric`` is ``metric_name``."""
     metric = validate(compare)
-    keys = ("round", metric, "loss", "num_clients", "num_sampled")
+    keys: tuple[str, ...] = ("round", metric, "loss", "num_clients", "num_sampled")
+    keys += ("sim_round_s", "sim_elapsed_s")
+    classes = class_names(compare)
     rows = [
-        {"strategy": name} | {k if k != metric else "metric": r.get(k) for k in keys}
+        {"strategy": name}
+        | {k if k != metric else "metric": r.get(k) for k in keys}
+        | {f"metric_{c}": _round_class_metric(r, c) for c in classes}
         for name, s in compare["strategies"].items()
         for r in s["rounds"]
         if isinstance(r, dict)
     ]
-    return (
-        _csv(rows) if rows else "strategy,round,metric,loss,num_clients,num_sampled\n"
-    )
+    head = ["strategy", "round", "metric", *keys[2:], *(f"metric_{c}" for c in classes)]
+    return _csv(rows) if rows else ",".join(head) + "\n"
+
+
+def _round_class_metric(r: dict[str, Any], cls: str) -> float | None:
+    """A round's metric on class ``cls``'s own data (None: not measured)."""
+    by_class = r.get("class_metrics")
+    return _number(by_class.get(cls)) if isinstance(by_class, dict) else None
+
+
+def _start(s: dict[str, Any]) -> float | None:
+    """The metric of a strategy's model before round 1 (its pretrained model's), at
+    simulated time 0; None: not recorded."""
+    pre = s.get("pretrain")
+    return _number(pre.get("metric")) if isinstance(pre, dict) else None
+
+
+def _time_points(
+    s: dict[str, Any], value: Any, metric: str
+) -> list[tuple[float, float]]:
+    """(cumulative simulated seconds, value(round)) of a strategy's rounds."""
+    points = []
+    for r in s["rounds"]:
+        t, v = _number(r.get("sim_elapsed_s")), value(r)
+        if t is not None and v is not None and (metric == "accuracy" or v > 0):
+            points.append((t, v))
+    return points
 
 
 # ------------------------------------------------------------------ plots
@@ -358,6 +390,92 @@ def plot_metric(compare: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(f"{_title(compare)}: {metric} per round")
+    return _save(fig, path)
+
+
+def _metric_axes(ax: Any, metric: str, ylabel: str) -> None:
+    if metric == "perplexity":
+        _log_y(ax)
+    else:
+        ax.set_ylim(0, 1)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def plot_metric_time(compare: dict[str, Any], path: Path) -> Path:
+    """``metric_time.png``: the metric against cumulative simulated time (the time
+    the fleet's devices would take, server/simtime.py), a line per strategy; a
+    pretrained model's metric at 0 s."""
+    metric = validate(compare)
+    colours = _colours(compare)
+    fig = _new_figure()
+    ax = fig.subplots()
+    drawn = False
+    for name, s in compare["strategies"].items():
+        points = _time_points(s, lambda r: _number(r.get(metric)), metric)
+        start = _start(s)
+        if points and start is not None:
+            points.insert(0, (0.0, start))
+        if points:
+            drawn = True
+            ax.plot(*zip(*points), marker="o", color=colours[name], label=name)
+    if not drawn:
+        _empty(ax, "no round has a simulated time")
+        return _save(fig, path)
+    _metric_axes(ax, metric, f"central {metric}")
+    ax.set_xlabel("simulated time (s)")
+    ax.legend()
+    ax.set_title(f"{_title(compare)}: {metric} against simulated time")
+    return _save(fig, path)
+
+
+def plot_class_rounds(compare: dict[str, Any], path: Path) -> Path:
+    """``class_rounds.png``: per device class (a row each), the metric on that
+    class's own data against rounds (left) and simulated time (right), a line per
+    strategy."""
+    metric = validate(compare)
+    colours = _colours(compare)
+    classes = [
+        c
+        for c in class_names(compare)
+        if any(
+            _round_class_metric(r, c) is not None
+            for s in compare["strategies"].values()
+            for r in s["rounds"]
+            if isinstance(r, dict)
+        )
+    ]
+    if not classes:
+        fig = _new_figure()
+        _empty(fig.subplots(), "no round has per-class metrics (natural split only)")
+        return _save(fig, path)
+    fig = _new_figure(9.0, 2.4 * len(classes) + 0.6)
+    axes = fig.subplots(len(classes), 2, squeeze=False)
+    for row, cls in zip(axes, classes, strict=True):
+        for name, s in compare["strategies"].items():
+
+            def value(r: dict[str, Any], cls: str = cls) -> float | None:
+                return _round_class_metric(r, cls)
+
+            by_round = [
+                (int(r["round"]), v)
+                for r in s["rounds"]
+                if isinstance(r, dict) and (v := value(r)) is not None
+            ]
+            if by_round:
+                row[0].plot(
+                    *zip(*by_round), marker="o", color=colours[name], label=name
+                )
+            by_time = _time_points(s, value, metric)
+            if by_time:
+                row[1].plot(*zip(*by_time), marker="o", color=colours[name], label=name)
+        for ax in row:
+            _metric_axes(ax, metric, f"{metric} on {cls}")
+        row[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[-1][0].set_xlabel("round")
+    axes[-1][1].set_xlabel("simulated time (s)")
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(f"{_title(compare)}: {metric} on each device class's own data")
     return _save(fig, path)
 
 
@@ -575,6 +693,10 @@ def report_markdown(compare: dict[str, Any]) -> str:
         "",
         f"![{metric} per device class's data]({CLASS_METRIC_PNG})",
         "",
+        f"![{metric} against simulated time]({METRIC_TIME_PNG})",
+        "",
+        f"![{metric} per device class against rounds and time]({CLASS_ROUNDS_PNG})",
+        "",
         f"Numbers: [`{COMPARE_CSV}`]({COMPARE_CSV}), [`{ROUNDS_CSV}`]({ROUNDS_CSV}).",
         "",
     ]
@@ -585,7 +707,8 @@ def write_report(out: Path, compare: dict[str, Any]) -> list[Path]:
     """Write the comparison's report files into ``out``; return their paths.
 
     Files: ``compare.csv``, ``rounds.csv``, ``metric.png``, ``participation.png``,
-    ``peaks.png``, ``class_metric.png`` and ``report.md`` (see docs/simulations.md).
+    ``peaks.png``, ``class_metric.png``, ``metric_time.png``, ``class_rounds.png``
+    and ``report.md`` (see docs/simulations.md).
 
     Example:
         >>> write_report(Path("runs/phones"), compare)  # doctest: +SKIP
@@ -606,6 +729,8 @@ def write_report(out: Path, compare: dict[str, Any]) -> list[Path]:
         (PARTICIPATION_PNG, plot_participation),
         (PEAKS_PNG, plot_peaks),
         (CLASS_METRIC_PNG, plot_class_metric),
+        (METRIC_TIME_PNG, plot_metric_time),
+        (CLASS_ROUNDS_PNG, plot_class_rounds),
     ):
         written.append(plot(compare, out / name))
     (out / REPORT_MD).write_text(report_markdown(compare))

@@ -77,6 +77,10 @@ class SimulationSettings:
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     #   [server-opt] [server-lr] ... [aggregation] [trim-fraction]: the server
     #   optimiser and aggregation (server/fedopt.py)
+    round_deadline_s: float = _SERVER.round_deadline_s  # [round-deadline] simulated
+    #   seconds a device's round may take (server/simtime.py); 0: none
+    init_model: str = ""  # [init-model] safetensors file the model starts from
+    #   (a pretrained model, simulations/pretrain.py); "": from scratch
     progress: bool = False  # a progress bar on stderr, one step per round
     ray_address: str = ""  # an existing Ray cluster ("auto", or "HEAD:6379"); "":
     #   start a local Ray on this machine
@@ -94,6 +98,8 @@ class SimulationSettings:
             eval_windows=self.eval_windows,
             export=self.export,
             server_opt=self.server_opt,
+            round_deadline_s=self.round_deadline_s,
+            init_model=self.init_model,
         )
         cfg.validate()
         return cfg
@@ -136,6 +142,7 @@ class SimulationSettings:
                 seed=self.shape.seed,
                 alpha=self.shape.dirichlet_alpha,
                 classes=fleet.classes or None,
+                public_share=self.shape.public_share,
             )
         return cfg
 

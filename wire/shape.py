@@ -37,6 +37,9 @@ class RunShape:
     proximal_mu: float = 0.0  # [proximal-mu] FedProx: mu / 2 * ||w - w_global||^2
     #   added to every client's loss (mu in 1 / the loss's units per squared
     #   parameter unit); 0: none
+    public_share: float = 0.0  # [public-share] share of every group's training
+    #   items held out from every client: data the server may pretrain on
+    #   (workloads.splits.public_indices); 0: none, every item is the clients'
 
 
 __all__ = ["RunShape"]

@@ -40,7 +40,7 @@ from torch import nn
 from workloads import data as data_mod
 from workloads import models, node_data, width
 from workloads.errors import WorkloadError
-from workloads.splits import split_indices
+from workloads.splits import private_indices, public_indices, split_indices
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -264,9 +264,12 @@ class Workload:
         seed: int = 0,
         alpha: float = 0.5,
         classes: Sequence[int] | None = None,
+        public_share: float = 0.0,
     ) -> data_mod.Items:
         """The training items of one client of ``num_partitions`` (``classes``: the
-        device class of each partition, for a natural split that follows them)."""
+        device class of each partition, for a natural split that follows them;
+        ``public_share``: the share of every group held out from every client,
+        ``public_items``)."""
         if not 0 <= partition_id < num_partitions:
             raise WorkloadError(
                 f"partition id {partition_id} is outside 0..{num_partitions - 1}"
@@ -274,10 +277,25 @@ class Workload:
         items = self.items(train=True)
         if self.dataset == "example":
             return items  # a custom workload trains its example batch everywhere
+        items = self.private_items(public_share)
         parts = split_indices(
             items.groups, num_partitions, split, seed=seed, alpha=alpha, classes=classes
         )
         return items.subset(parts[partition_id])
+
+    def public_items(self, share: float) -> data_mod.Items:
+        """The training items held out from every client (``share`` of every group,
+        ``workloads.splits.public_indices``): data a server may pretrain on."""
+        items = self.items(train=True)
+        return items.subset(public_indices(items.groups, share))
+
+    def private_items(self, share: float = 0.0) -> data_mod.Items:
+        """The training items the clients split among themselves: all but
+        ``public_items(share)``."""
+        items = self.items(train=True)
+        if not share:
+            return items
+        return items.subset(private_indices(items.groups, share))
 
     def batches(self, items: data_mod.Items, seed: int) -> Iterator[Batch]:
         """An endless, seeded stream of training batches drawn from ``items``."""

@@ -18,6 +18,7 @@ class has at least as many groups as clients, else evenly in a seeded shuffle.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,38 @@ import numpy as np
 from workloads.errors import WorkloadError
 
 SPLITS = ("iid", "dirichlet", "natural")
+PUBLIC_SEED = 7919  # the public hold-out does not depend on the run's seed
+
+
+def public_indices(groups: np.ndarray, share: float) -> np.ndarray:
+    """The items held out from every client as public data (sorted indices).
+
+    ``floor(share x n)`` items of every group of ``n`` items, drawn with a fixed seed:
+    the same items for every run seed, so one pretrained model serves them all; every
+    group keeps at least ``n - floor(share x n)`` items for the clients. ``share`` 0:
+    none.
+
+    Raises:
+        WorkloadError: ``share`` outside [0, 0.5].
+    """
+    if not 0 <= share <= 0.5:
+        raise WorkloadError(f"public share {share!r} must be in [0, 0.5]")
+    if share == 0:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng(PUBLIC_SEED)
+    picked: list[np.ndarray] = []
+    for g in np.unique(groups):
+        members = np.flatnonzero(groups == g)
+        take = int(math.floor(share * len(members)))
+        picked.append(rng.permutation(members)[:take])
+    return np.sort(np.concatenate(picked)).astype(np.int64)
+
+
+def private_indices(groups: np.ndarray, share: float) -> np.ndarray:
+    """The items left to the clients: every index not in ``public_indices``."""
+    keep = np.ones(len(groups), dtype=bool)
+    keep[public_indices(groups, share)] = False
+    return np.flatnonzero(keep)
 
 
 def split_indices(

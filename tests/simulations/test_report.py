@@ -19,6 +19,8 @@ FILES = [
     "participation.png",
     "peaks.png",
     "class_metric.png",
+    "metric_time.png",
+    "class_rounds.png",
     "report.md",
 ]
 
@@ -44,6 +46,9 @@ def _rounds(metric, values, assignments):
             "num_clients": len([a for a in assignments if a["status"] == "ok"]),
             "num_sampled": len(assignments),
             "assignments": assignments,
+            "sim_round_s": 30.0 * len(assignments),
+            "sim_elapsed_s": 30.0 * len(assignments) * i,
+            "class_metrics": {"low": v, "mid": v},
         }
         if metric == "perplexity":
             r["perplexity"] = v
@@ -199,6 +204,10 @@ def test_csv_rows_and_values(tmp_path, metric):
         "loss",
         "num_clients",
         "num_sampled",
+        "sim_round_s",
+        "sim_elapsed_s",
+        "metric_low",
+        "metric_mid",
     ]
     assert len(rounds) == 9
     assert [r["round"] for r in rounds[:3]] == ["1", "2", "3"]
@@ -206,6 +215,8 @@ def test_csv_rows_and_values(tmp_path, metric):
     assert float(first_exclude["metric"]) == (0.4 if metric == "accuracy" else 50.0)
     assert first_exclude["num_clients"] == "1"
     assert first_exclude["num_sampled"] == "2"
+    assert float(first_exclude["sim_elapsed_s"]) == 60.0
+    assert float(first_exclude["metric_low"]) == float(first_exclude["metric"])
 
 
 def test_report_markdown(tmp_path):
@@ -216,7 +227,14 @@ def test_report_markdown(tmp_path):
     for fact in ("digits-cnn", "3 clients", "3 rounds", "seed 7"):
         assert fact in md
     links = set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md))
-    assert links == {"metric.png", "participation.png", "peaks.png", "class_metric.png"}
+    assert links == {
+        "metric.png",
+        "participation.png",
+        "peaks.png",
+        "class_metric.png",
+        "metric_time.png",
+        "class_rounds.png",
+    }
     for name in compare["strategies"]:
         assert name in md
     # the headline table has a row per strategy

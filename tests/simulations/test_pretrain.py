@@ -1,0 +1,102 @@
+"""Pretraining (issue 16 item 4): public data no device holds, each model pretrained
+once per comparison, and a short comparison whose summaries carry simulated time."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from simulations.fleet import parse_fleet
+from workloads import get_workload
+from workloads.splits import private_indices, public_indices, split_indices
+
+
+@pytest.mark.parametrize(
+    "workload, split", [("digits-cnn", "dirichlet"), ("gpt-byte", "natural")]
+)
+def test_public_data_is_disjoint_from_every_device(workload, split):
+    wl = get_workload(workload)
+    items = wl.items(train=True)
+    share = 0.2
+    public = public_indices(items.groups, share)
+    private = private_indices(items.groups, share)
+    assert len(public) and len(np.intersect1d(public, private)) == 0
+    assert len(public) + len(private) == len(items)
+    # every group gives its share, whatever the run's seed
+    for g in np.unique(items.groups):
+        n = int((items.groups == g).sum())
+        assert int((items.groups[public] == g).sum()) == int(share * n)
+    classes = [0, 0, 1, 1, 2, 2]
+    parts = split_indices(
+        items.groups[private], 6, split, seed=3, classes=classes, alpha=1.0
+    )
+    for p, part in enumerate(parts):
+        mine = private[part]  # indices into the whole training set
+        assert len(np.intersect1d(mine, public)) == 0
+        # what a client trains on is exactly that
+        got = wl.client_items(
+            p, 6, split, seed=3, alpha=1.0, classes=classes, public_share=share
+        )
+        assert np.array_equal(got.inputs.numpy(), items.inputs[mine].numpy())
+    assert np.array_equal(
+        wl.public_items(share).inputs.numpy(), items.inputs[public].numpy()
+    )
+
+
+@pytest.mark.simulation
+def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
+    from simulations.compare import compare
+
+    fleet = parse_fleet(
+        {
+            "name": "tiny",
+            "clients": 2,
+            "num-server-rounds": 1,
+            "local-steps": 2,
+            "workload": "digits-cnn",
+            "split": "iid",
+            "pretrain": {"share": 0.2, "steps": 5},
+            "classes": [
+                {"name": "small", "share": 0.5, "memory": "110.3MB", "speed": 0.5},
+                {"name": "large", "share": 0.5, "memory": "1GB", "uplink": "1MB/s"},
+            ],
+        }
+    )
+    out = tmp_path / "out"
+    result = compare(
+        fleet,
+        ["fleetfit", "exclude", "smallest-model"],
+        out,
+        client_measure="inline",
+        progress=False,
+    )
+    s = result["strategies"]
+    # fleetfit and exclude share the base model: one pretraining; the shrunk model
+    # of smallest-model gets its own
+    models = sorted(p.name for p in (out / "pretrain").glob("*.safetensors"))
+    assert len(models) == 2
+    assert s["fleetfit"]["pretrain"]["cached"] is False
+    assert s["exclude"]["pretrain"]["cached"] is True
+    assert s["smallest-model"]["pretrain"]["cached"] is False
+    assert s["smallest-model"]["pretrain"]["workload"].startswith("digits-cnn@")
+    for name, e in s.items():
+        run = json.loads((out / name / "summary.json").read_text())
+        assert run["config"]["init-model"].startswith(str(out / "pretrain"))
+        assert run["config"]["public-share"] == 0.2
+        elapsed = 0.0
+        for r in run["rounds"]:
+            assert r["sim_round_s"] >= 0
+            elapsed += r["sim_round_s"]
+            assert r["sim_elapsed_s"] == pytest.approx(elapsed)
+            trained = [a for a in r["assignments"] if a["status"] == "ok"]
+            assert trained and all(a["sim_s"] > 0 for a in trained)
+            assert r["sim_round_s"] == pytest.approx(max(a["sim_s"] for a in trained))
+        assert e["sim_s"] == pytest.approx(elapsed) and elapsed > 0
+    with open(out / "rounds.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 and all(float(r["sim_elapsed_s"]) > 0 for r in rows)
+    assert (out / "metric_time.png").read_bytes()[:4] == b"\x89PNG"
+    assert "simulated s" in (out / "report.md").read_text()
