@@ -208,10 +208,13 @@ def adapter_state(model: nn.Module, paths: Sequence[str]) -> dict[str, torch.Ten
 
 def autocast_for(spec: LoraSpec | None) -> torch.autocast | None:
     """The autocast context a frozen base in ``spec.base_dtype`` computes under
-    (None: float32, none needed)."""
+    (None: float32, none needed). Its cast cache is off: one context spans many
+    optimizer steps, and a cached cast of an adapter's weight would outlive its
+    update."""
     if spec is None or spec.base_dtype == "float32":
         return None
-    return torch.autocast("cpu", dtype=getattr(torch, spec.base_dtype))
+    dtype = getattr(torch, spec.base_dtype)
+    return torch.autocast("cpu", dtype=dtype, cache_enabled=False)
 
 
 __all__ = [
