@@ -368,14 +368,6 @@ def train_window_job(run: ChildRun) -> list[float]:
         offload_dir=run.offload_dir,
         proximal_mu=float(run.options.get("proximal-mu", 0.0)),
     )
-    spec = run.options.get("adapters")
-    if spec is not None:  # the factors only, under their wire keys
-        adapters = LoraSpec(**{**spec, "targets": tuple(spec["targets"])})
-        losses, keys = train_model(
-            run.model, run.workload, run.batches, adapters=adapters, **kwargs
-        )
-        run.write_state(adapter_factors(run.model, keys))
-        return losses
     if run.workload.any_model:  # weights read unit by unit within the plan
         losses, _ = train_units(
             run.model,
@@ -411,8 +403,10 @@ def train_assigned(
     ``adapters``: an ``adapter`` assignment; the result's state holds the factors
     (wire keys, ``memory.lora.factor_keys``), the model built and loaded whole."""
     if measure == "child":
+        from client.adapter_job import train_adapter_job
+
         state, m = train_in_child(
-            train_window_job,
+            train_window_job if adapters is None else train_adapter_job,
             workload,
             batches,
             plan=plan,
