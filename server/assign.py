@@ -299,11 +299,14 @@ class Assigner:
         return self._adapter_cache[start]
 
     def adapter_min_budget(self, disk: int = 0) -> int:
-        """The smallest budget (reserve included) that trains any adapter."""
-        starts = self.adapter_starts()
+        """The smallest budget (reserve included) that trains any adapter, over
+        every start block (in memory the highest start is the cheapest; with a disk
+        to stream the frozen base from, a lower one can be: the frozen prefix is
+        held, the chain's base may stream)."""
         return self.reserve + min(
             min_budget_bytes(p, disk_budget_bytes=disk)
-            for p in self.adapter_profiles(starts[-1]).values()
+            for start in self.adapter_starts()
+            for p in self.adapter_profiles(start).values()
         )
 
     def _adapter_sizes(self) -> tuple[list[int], list[int]]:
