@@ -87,9 +87,9 @@ def fan_in_fan_out(module: nn.Module) -> bool:
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """``(in_features, out_features)`` of a linear module."""
     w = module.weight
-    return (
-        (w.shape[0], w.shape[1]) if fan_in_fan_out(module) else (w.shape[1], w.shape[0])
-    )
+    assert isinstance(w, torch.Tensor)
+    a, b = int(w.shape[0]), int(w.shape[1])
+    return (a, b) if fan_in_fan_out(module) else (b, a)
 
 
 def target_paths(
@@ -177,7 +177,7 @@ def add_adapters(
         p.requires_grad_(False)
     config = LoraConfig(
         r=spec.rank,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft: alpha / r, a float
         lora_dropout=0.0,
         bias="none",
         fan_in_fan_out=transposed.pop(),
