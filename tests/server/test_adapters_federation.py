@@ -21,15 +21,19 @@ LORA = AdapterConfig(mode="all", rank=4, alpha=8.0, targets=("qkv", "fc"))
 
 
 def _cfg(tmp_path, **kw):
+    kw = {
+        "shape": RunShape(workload="gpt-tiny", local_steps=2, lr=1e-2),
+        "adapters": LORA,
+        **kw,
+    }
     return ServerConfig(
-        shape=RunShape(workload="gpt-tiny", local_steps=2, lr=1e-2),
         num_server_rounds=1,
         min_nodes=2,
         out=str(tmp_path / "run"),
         client_measure="inline",
         fleet=FleetConfig(memory_budgets=(2**30, 2**30)),
         eval_windows=8,
-        **{"adapters": LORA, **kw},
+        **kw,
     )
 
 
@@ -96,3 +100,80 @@ def test_run_config_checks_adapter_keys():
         ServerConfig.from_run_config({"adapters": "all", "lora-rank": 0})
     cfg = ServerConfig.from_run_config({"adapters": "auto", "lora-targets": "qkv,fc"})
     assert cfg.adapters.spec().targets == ("qkv", "fc")
+
+
+def _capture(replies):
+    def capture(node_id, reply):
+        arrays = reply.content.array_records["arrays"]
+        replies[node_id] = {k: torch.from_numpy(arrays[k].numpy()) for k in arrays}
+        return reply
+
+    return capture
+
+
+def _check_merged(tmp_path, rec, replies, base, scaling):
+    counted = {a["node_id"]: a["counted_examples"] for a in rec["assignments"]}
+    total = sum(counted.values())
+    state, _ = load_model(tmp_path / "run" / "model.safetensors")
+    assert set(state) == set(base)
+    paths = sorted({k.rsplit(".", 1)[0] for r in replies.values() for k in r})
+    for p in paths:
+        a_key, b_key = factor_keys(p)
+        mean = sum(
+            (counted[n] / total) * scaling[n] * (r[b_key].double() @ r[a_key].double())
+            for n, r in replies.items()
+        )
+        w = base[f"{p}.weight"].double()
+        want = w + (mean.T if w.shape != mean.shape else mean)  # Conv1D: (in, out)
+        torch.testing.assert_close(
+            state[f"{p}.weight"].double(), want, rtol=0, atol=1e-6
+        )
+    return paths
+
+
+def test_unequal_ranks_merge_the_mean_of_products(tmp_path):
+    """Two devices given ranks 2 and 8: the factors differ in shape and the model
+    still moves by the weighted mean of their s B @ A."""
+    from dataclasses import replace
+
+    replies = {}
+    fed = Federation(_cfg(tmp_path), DirectTransport(2, tamper=_capture(replies)))
+    assign = fed.assigner.assign
+    ranks = {0: 2, 1: 8}
+
+    def by_partition(facts, server_round):
+        a = assign(facts, server_round)
+        rank = ranks[facts.partition_id]
+        return replace(a, adapters=replace(a.adapters, rank=rank, alpha=2.0 * rank))
+
+    fed.assigner.assign = by_partition  # type: ignore[method-assign]
+    base = {k: v.clone() for k, v in fed.model.state_dict().items()}
+    rec = fed.run()["rounds"][0]
+    assert sorted(a["lora_rank"] for a in rec["assignments"]) == [2, 8]
+    shapes = {n: r["layers.0.qkv.lora_A"].shape[0] for n, r in replies.items()}
+    assert sorted(shapes.values()) == [2, 8]
+    _check_merged(tmp_path, rec, replies, base, {n: 2.0 for n in replies})
+
+
+def test_transformers_gpt2_adapters_federate_and_export(tmp_path):
+    """A transformers GPT-2 (Conv1D modules, weights stored (in, out)) per unit:
+    the merged model is plain and exports to ONNX."""
+    pytest.importorskip("transformers")
+    replies = {}
+    cfg = _cfg(
+        tmp_path,
+        shape=RunShape(
+            workload="examples.transformers_gpt2:build", local_steps=2, lr=1e-2
+        ),
+        adapters=AdapterConfig(mode="all", rank=4, alpha=8.0, targets=("c_attn",)),
+    )
+    transport = DirectTransport(2, tamper=_capture(replies))
+    for node in transport.node_config.values():  # nodes that trust the example
+        node["allow-workloads"] = "examples.transformers_gpt2:build"
+    fed = Federation(cfg, transport)
+    base = {k: v.clone() for k, v in fed.model.state_dict().items()}
+    rec = fed.run()["rounds"][0]
+    assert all(a["kind"] == "adapter" for a in rec["assignments"]), rec
+    paths = _check_merged(tmp_path, rec, replies, base, {n: 2.0 for n in replies})
+    assert paths and all(p.endswith("attn.c_attn") for p in paths)
+    assert (tmp_path / "run" / "model.onnx").stat().st_size > 0

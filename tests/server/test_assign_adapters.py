@@ -1,13 +1,14 @@
 """The memory model's price of an adapter assignment (``server.assign.
 adapter_profile``): the frozen base holds parameters only (bfloat16 halves them),
 the adapters their parameters, gradients and AdamW state; and a measured child stays
-inside the budget the assigner planned for."""
+inside the budget the assigner planned for, returning what inline training does."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
@@ -96,16 +97,17 @@ def test_measured_adapter_peak_is_inside_its_budget():
     batches, n, seed = draw_batches(
         wl, 0, 2, split="iid", alpha=0.5, seed=0, server_round=1, local_steps=2
     )
-    r = train_assigned(
-        state,
-        wl,
-        batches,
+    kwargs = dict(
         num_examples=n,
         torch_seed=seed,
         plan=asg.plan,
         window=None,
         lr=1e-3,
-        measure="child",
         adapters=asg.adapters,
     )
+    r = train_assigned(state, wl, batches, measure="child", **kwargs)
     assert r.method == "child" and 0 < r.peak_bytes <= budget
+    inline = train_assigned(state, wl, batches, measure="inline", **kwargs)
+    assert set(r.state) == set(inline.state)  # the factors only, the same bits
+    for k in inline.state:
+        assert torch.equal(r.state[k], inline.state[k]), k

@@ -26,12 +26,14 @@ def _reply(rank: int, n: int, seed: int, alpha: float = 8.0) -> AdapterReply:
 def _mean_product(replies: list[AdapterReply]) -> torch.Tensor:
     ka, kb = factor_keys(PATH)
     total = sum(r.num_examples for r in replies)
-    return sum(
-        (r.num_examples / total)
-        * r.scaling
-        * (r.factors[kb].double() @ r.factors[ka].double())
-        for r in replies
-    )
+    return torch.stack(
+        [
+            (r.num_examples / total)
+            * r.scaling
+            * (r.factors[kb].double() @ r.factors[ka].double())
+            for r in replies
+        ]
+    ).sum(0)
 
 
 @pytest.mark.parametrize("ranks", [(4, 4, 4), (2, 4, 8)], ids=["equal", "unequal"])
