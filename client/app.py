@@ -3,8 +3,9 @@
 - ``query``: replies with the node's facts: partition id and count, memory and disk
   budgets (``client.config``), device memory and disk, measured compute rate.
 - ``train``: runs the server's assignment (``full``: the whole model under its plan;
-  ``part``: a window of blocks and the head; ``none``: replies that nothing fits, with
-  the smallest budget that would) on its share of the data, and replies with the
+  ``part``: a window of blocks and the head; ``adapter``: LoRA adapters on a frozen
+  base, replying with their factors only (``memory.lora``); ``none``: replies that
+  nothing fits, with the smallest budget that would) on its share of the data, and replies with the
   trained ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, the measured
   peak of its training work, the bytes of the message it received, ...). A stock
   strategy's instruction (Flower's FedAvg: no ``kind`` or ``plan``) trains the whole
