@@ -361,6 +361,21 @@ class ServerConfig:
             ad.spec()
         except ValueError as e:
             raise bad("lora-rank/lora-alpha/lora-base-dtype", ad, str(e)) from None
+        if ad.mode != "off" and privacy.clipping_norm > 0:
+            raise bad(
+                "adapters",
+                ad.mode,
+                "central DP has nodes clip their replies against the arrays they "
+                "received, and an adapter reply holds factors it did not receive; "
+                "use dp-clipping-norm=0 with adapters",
+            )
+        if ad.mode != "off" and self.shape.proximal_mu > 0:
+            raise bad(
+                "adapters",
+                ad.mode,
+                "adapters start fresh every round, so FedProx's anchor (the "
+                "received weights) has nothing to hold them to; use proximal-mu=0",
+            )
         if ad.mode != "off" and self.strategy != "fleetfit":
             raise bad(
                 "adapters",

@@ -98,6 +98,10 @@ def test_run_config_checks_adapter_keys():
         ServerConfig.from_run_config({"adapters": "some"})
     with pytest.raises(ValueError, match="rank"):
         ServerConfig.from_run_config({"adapters": "all", "lora-rank": 0})
+    with pytest.raises(ValueError, match="dp-clipping-norm=0"):
+        ServerConfig.from_run_config({"adapters": "all", "dp-clipping-norm": 1.0})
+    with pytest.raises(ValueError, match="proximal-mu=0"):
+        ServerConfig.from_run_config({"adapters": "all", "proximal-mu": 0.1})
     cfg = ServerConfig.from_run_config({"adapters": "auto", "lora-targets": "qkv,fc"})
     assert cfg.adapters.spec().targets == ("qkv", "fc")
 
