@@ -3,8 +3,9 @@
 - ``query``: replies with the node's facts: partition id and count, memory and disk
   budgets (``client.config``), device memory and disk, measured compute rate.
 - ``train``: runs the server's assignment (``full``: the whole model under its plan;
-  ``part``: a window of blocks and the head; ``none``: replies that nothing fits, with
-  the smallest budget that would) on its share of the data, and replies with the
+  ``part``: a window of blocks and the head; ``adapter``: LoRA adapters on a frozen
+  base, replying with their factors only (``memory.lora``); ``none``: replies that
+  nothing fits, with the smallest budget that would) on its share of the data, and replies with the
   trained ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, the measured
   peak of its training work, the bytes of the message it received, ...). A stock
   strategy's instruction (Flower's FedAvg: no ``kind`` or ``plan``) trains the whole
@@ -59,6 +60,7 @@ from client.config import (
 from client.ort_eval import evaluate_only
 from client.selfplan import is_stock_instruction, own_plan, reserve_bytes, stock_config
 from client.train import draw_batches, train_assigned
+from memory.lora import LoraSpec
 from memory.probes import measure_flops_per_s
 from memory.spec import MemoryPlan
 from wire import keys
@@ -186,6 +188,19 @@ def clipping_mod(
     return reply
 
 
+def _lora_spec(ins: TrainInstruction) -> LoraSpec | None:
+    """An ``adapter`` instruction's adapters (None for other kinds)."""
+    if ins.kind != "adapter":
+        return None
+    return LoraSpec(
+        rank=ins.lora_rank,
+        alpha=ins.lora_alpha,
+        targets=ins.lora_targets,
+        start=ins.window_start,
+        base_dtype=ins.base_dtype,
+    )
+
+
 def _logged_round(handler: Handler) -> Handler:
     """A failed round goes to the node's round log too (``client.round_log``)."""
 
@@ -300,6 +315,7 @@ def train(msg: Message, context: Context) -> Message:
         measure=resolve_measure(ins.measure, node.budget_source),
         offload_dir=node.offload_dir,
         proximal_mu=shape.proximal_mu,
+        adapters=_lora_spec(ins),
     )
     del state
     reply = TrainReply(

@@ -38,9 +38,10 @@ Measuring the peak (what a budget bounds: the training work's peak resident memo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,13 @@ from torch import nn
 
 from memory.batch import short_batch_microbatches
 from memory.blocks import Block, as_blocks
+from memory.lora import (
+    LoraSpec,
+    adapter_state,
+    add_adapters,
+    autocast_for,
+    factor_keys,
+)
 from memory.materialize import StateSource
 from memory.measure import peak_rss_bytes, reset_peak, rss_bytes
 from memory.spec import MemoryPlan
@@ -141,11 +149,21 @@ def train_chain(
     lr: float,
     offload_dir: str | None = None,
     proximal_mu: float = 0.0,
+    adapters: LoraSpec | None = None,
 ) -> tuple[list[float], list[str]]:
     """Train ``model`` in place on ``batches``; return the losses and trained keys.
     ``proximal_mu`` > 0: FedProx's term towards the received weights, on every path
-    (``memory.proximal``; refused for parameters streamed from disk)."""
-    keys = freeze_for_window(model, window)
+    (``memory.proximal``; refused for parameters streamed from disk).
+
+    ``adapters``: an ``adapter`` assignment (``memory.lora``): LoRA adapters are
+    added to blocks ``[adapters.start, last)``, only they train, the blocks before
+    run under ``no_grad``; the trained keys returned are the factors' wire keys
+    (``adapter_factors`` reads them)."""
+    if adapters is not None:
+        keys = _add_adapters(model, adapters, as_blocks(model))
+        window = (adapters.start, adapters.start)
+    else:
+        keys = freeze_for_window(model, window)
     if window is None and plan is None:
         return plain_steps(
             model, loss_fn, batches, lr=lr, proximal_mu=proximal_mu
@@ -158,7 +176,7 @@ def train_chain(
     chain = nn.Sequential(*[b.module for b in blocks[start:]])
     model.train()
     for i, b in enumerate(blocks):
-        if i < start or stop <= i < len(blocks) - 1:
+        if i < start or (adapters is None and stop <= i < len(blocks) - 1):
             b.module.eval()  # frozen: no batch statistics change
     if plan is None:
         plan = MemoryPlan.plain([str(i) for i in range(len(chain))])
@@ -178,9 +196,17 @@ def train_chain(
         if batches
         else plan.num_microbatches,
     )
-    with LocalExecutor(
-        chain, loss_fn, plan, lr=lr, offload_dir=offload_dir, proximal_mu=proximal_mu
-    ) as ex:
+    with (
+        _autocast(adapters),
+        LocalExecutor(
+            chain,
+            loss_fn,
+            plan,
+            lr=lr,
+            offload_dir=offload_dir,
+            proximal_mu=proximal_mu,
+        ) as ex,
+    ):
         for inputs, targets in batches:
             x = inputs
             if prefix:
@@ -204,6 +230,7 @@ def train_units(
     init_state: StateSource | None = None,
     save_to: str | None = None,
     proximal_mu: float = 0.0,
+    adapters: LoraSpec | None = None,
 ) -> tuple[list[float], list[str]]:
     """``train_chain`` for a workload planned per unit: train ``model`` in place on
     ``batches`` (``(inputs, targets)`` of any structure) through
@@ -221,7 +248,13 @@ def train_units(
     assert workload.example is not None
     example_inputs, _, loss_fn = workload.example
     units = find_units(model, example_inputs)
-    keys = freeze_for_window(model, window, units)
+    if adapters is not None:  # only the adapters train; the base's units stay
+        if init_state is not None or save_to is not None:
+            raise ValueError("adapters train on a model loaded whole (init copy)")
+        keys = _add_adapters(model, adapters, units)
+        window = (adapters.start, adapters.start)
+    else:
+        keys = freeze_for_window(model, window, units)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"window {window} of units {[u.name for u in units]} trains no parameter "
@@ -231,7 +264,7 @@ def train_units(
     if window is not None:
         start, stop = window
         for i, u in enumerate(units):
-            if i < start or stop <= i < len(units) - 1:
+            if i < start or (adapters is None and stop <= i < len(units) - 1):
                 u.module.eval()  # frozen: no dropout, no batch statistics change
     if plan is None:
         plan = MemoryPlan.plain([u.name for u in units])
@@ -246,12 +279,32 @@ def train_units(
         init_state=init_state,
     )
     try:
-        losses = trainer.train(batches, planned_size=planned)
+        with _autocast(adapters):
+            losses = trainer.train(batches, planned_size=planned)
         if save_to is not None:
             trainer.save(save_to, keys=keys)
     finally:
         trainer.close(restore=save_to is None)
     return losses, keys
+
+
+def _add_adapters(
+    model: nn.Module, spec: LoraSpec, blocks: Sequence[Block]
+) -> list[str]:
+    """Add the adapters (``memory.lora.add_adapters``); their factors' wire keys."""
+    paths = add_adapters(model, spec, blocks)
+    return [k for p in paths for k in factor_keys(p)]
+
+
+def adapter_factors(model: nn.Module, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The trained factors of a model ``train_model(adapters=...)`` trained, by the
+    wire keys it returned."""
+    paths = [k.removesuffix(".lora_A") for k in keys if k.endswith(".lora_A")]
+    return adapter_state(model, paths)
+
+
+def _autocast(spec: LoraSpec | None) -> contextlib.AbstractContextManager:
+    return autocast_for(spec) or contextlib.nullcontext()
 
 
 def _batch_size(batch: Any) -> int:
@@ -270,6 +323,7 @@ def train_model(
     lr: float,
     offload_dir: str | None = None,
     proximal_mu: float = 0.0,
+    adapters: LoraSpec | None = None,
 ) -> tuple[list[float], list[str]]:
     """``train_units`` for an ``any_model`` workload, else ``train_chain``.
 
@@ -286,6 +340,7 @@ def train_model(
             lr=lr,
             offload_dir=offload_dir,
             proximal_mu=proximal_mu,
+            adapters=adapters,
         )
     return train_chain(
         model,
@@ -296,6 +351,7 @@ def train_model(
         lr=lr,
         offload_dir=offload_dir,
         proximal_mu=proximal_mu,
+        adapters=adapters,
     )
 
 
@@ -340,12 +396,17 @@ def train_assigned(
     measure: str,
     offload_dir: str | None = None,
     proximal_mu: float = 0.0,
+    adapters: LoraSpec | None = None,
 ) -> TrainResult:
     """Train under an assignment and measure the peak of the work (see module doc).
-    ``proximal_mu``: FedProx's term towards ``model_state`` (0: none)."""
+    ``proximal_mu``: FedProx's term towards ``model_state`` (0: none).
+    ``adapters``: an ``adapter`` assignment; the result's state holds the factors
+    (wire keys, ``memory.lora.factor_keys``), the model built and loaded whole."""
     if measure == "child":
+        from client.adapter_job import train_adapter_job
+
         state, m = train_in_child(
-            train_window_job,
+            train_window_job if adapters is None else train_adapter_job,
             workload,
             batches,
             plan=plan,
@@ -353,11 +414,12 @@ def train_assigned(
             torch_seed=torch_seed,
             threads=torch.get_num_threads(),
             initial_state=model_state,
-            init="stream" if workload.any_model else "copy",
+            init="stream" if workload.any_model and adapters is None else "copy",
             read_back=True,
             options={
                 "window": None if window is None else list(window),
                 "proximal-mu": proximal_mu,
+                "adapters": None if adapters is None else asdict(adapters),
             },
             offload_dir=offload_dir,
             timeout_s=600,
@@ -393,15 +455,20 @@ def train_assigned(
         lr=lr,
         offload_dir=offload_dir,
         proximal_mu=proximal_mu,
+        adapters=adapters,
     )
     train_s = time.perf_counter() - t0
     peak = max(0, peak_rss_bytes() - rss0)
-    state = model.state_dict()
+    if adapters is not None:
+        trained = adapter_factors(model, keys)
+    else:
+        state = model.state_dict()
+        trained = {k: state[k].detach().clone() for k in keys}
     return TrainResult(
         num_examples,
         float(np.mean(losses)),
         train_s,
-        {k: state[k].detach().clone() for k in keys},
+        trained,
         peak,
         rss0,
         method,

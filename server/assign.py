@@ -17,6 +17,14 @@ machine for digits-cnn and gpt-byte, see docs/federation.md).
   and other positions are tried when that one does not fit. The head always trains; a
   tied parameter (GPT-2's head projection is its token embedding) belongs to the first
   block using it and trains only when that block is in the window.
+- ``adapter`` (run config ``adapters = auto | all``): LoRA adapters (``memory.lora``)
+  on the linear modules of blocks ``[start, last)`` of a frozen base; ``start`` is
+  the lowest block that fits (the most blocks adapted). Priced by
+  ``adapter_profile``: the frozen base holds its parameters only (in bfloat16 with
+  ``lora-base-dtype``), the adapters their parameters, gradients and AdamW state,
+  and every block from ``start`` up still keeps (or recomputes) its activations for
+  the backward. ``auto``: a node that no whole-model plan fits gets an adapter before
+  a ``part`` window; ``all``: every node gets one.
 - ``none``: not even the head alone fits: the node is told so, with the smallest budget
   that would get it a part.
 
@@ -44,6 +52,7 @@ from torch import nn
 
 from memory.cost import predict
 from memory.errors import BudgetError
+from memory.lora import LoraSpec, linear_shape, target_paths
 from memory.plan import min_budget_bytes
 from memory.profile import Profile
 from memory.proximal import anchored
@@ -60,7 +69,7 @@ log = logging.getLogger(__name__)
 class Assignment:
     """One node's work in one round."""
 
-    kind: str  # full | part | none
+    kind: str  # full | part | adapter | none
     budget_bytes: int | None  # None: the node did not say (a plain Flower client)
     disk_budget_bytes: int | None
     plan: MemoryPlan | None  # the trained chain's plan (None: plain training)
@@ -75,10 +84,14 @@ class Assignment:
     width: float | None = None
     roll: int = 0
     workload: str = ""  # "": the run's
+    adapters: LoraSpec | None = None  # adapter: what trains (its start block)
 
     def describe(self) -> str:
         if self.kind == "part" and self.window is not None:
             return f"part [{self.window[0]}, {self.window[1]}) + head"
+        if self.kind == "adapter" and self.adapters is not None:
+            a = self.adapters
+            return f"adapter rank {a.rank} from block {a.start} ({a.base_dtype} base)"
         if self.width is not None:
             return f"{self.kind} at width {self.width:g}"
         return self.kind
@@ -97,9 +110,17 @@ class Assigner:
         train_time_s: float,
         strategy: str = "fleetfit",
         proximal_mu: float = 0.0,
+        adapters: str = "off",
+        lora: LoraSpec | None = None,
     ) -> None:
         if strategy not in ("fleetfit", "exclude"):
             raise ValueError(f"strategy {strategy!r}: choose fleetfit or exclude")
+        if adapters not in ("off", "auto", "all"):
+            raise ValueError(f"adapters {adapters!r}: choose off, auto or all")
+        self.adapters = adapters
+        self.lora = lora or LoraSpec(rank=8, alpha=16.0)
+        self._adapter_cache: dict[int, dict[int, Profile]] = {}
+        self._paths: list[list[str]] | None = None
         self.strategy = strategy
         self.workload = workload
         self.per_unit = workload.any_model
@@ -141,13 +162,21 @@ class Assigner:
         usable = budget - self.reserve
         if self.strategy == "exclude":
             return self._plain_or_nothing(budget, disk, facts)
-        if usable > 0:
+        if self.adapters == "all":
+            got = self._adapter(budget, disk, facts)
+            if got is not None:
+                return got
+        if usable > 0 and self.adapters != "all":
             try:
                 plan, _ = plan_units(self.profiles, usable, disk_budget_bytes=disk)
             except BudgetError:
                 pass
             else:
                 return self._timed("full", budget, disk, plan, None, facts)
+        if self.adapters == "auto":
+            got = self._adapter(budget, disk, facts)
+            if got is not None:
+                return got
         n = len(self.names)
         last = n - 1
         smallest: int | None = None
@@ -235,6 +264,81 @@ class Assigner:
             predicted_step_s=step_s,
         )
 
+    @property
+    def adapter_paths(self) -> list[list[str]]:
+        """Per block, the modules that carry adapters when every block before the
+        head does (``memory.lora.target_paths`` from block 0)."""
+        if self._paths is None:
+            self._paths = target_paths(
+                self.model, self.blocks, replace(self.lora, start=0)
+            )
+        return self._paths
+
+    def adapter_starts(self) -> list[int]:
+        """The blocks an adapter assignment may start at, lowest first."""
+        return [i for i, paths in enumerate(self.adapter_paths) if paths]
+
+    def adapter_profiles(self, start: int) -> dict[int, Profile]:
+        """The profiles of an adapter assignment from block ``start``."""
+        if start not in self._adapter_cache:
+            numels, saved = self._adapter_sizes()
+            bytes_per = 2 if self.lora.base_dtype == "bfloat16" else 4
+            self._adapter_cache[start] = {
+                c: anchored(
+                    adapter_profile(
+                        p,
+                        start,
+                        numels,
+                        lora_saved_bytes=saved,
+                        base_bytes_per_param=bytes_per,
+                    ),
+                    self.proximal_mu,
+                )
+                for c, p in self._measured.items()
+            }
+        return self._adapter_cache[start]
+
+    def adapter_min_budget(self, disk: int = 0) -> int:
+        """The smallest budget (reserve included) that trains any adapter, over
+        every start block (in memory the highest start is the cheapest; with a disk
+        to stream the frozen base from, a lower one can be: the frozen prefix is
+        held, the chain's base may stream)."""
+        return self.reserve + min(
+            min_budget_bytes(p, disk_budget_bytes=disk)
+            for start in self.adapter_starts()
+            for p in self.adapter_profiles(start).values()
+        )
+
+    def _adapter_sizes(self) -> tuple[list[int], list[int]]:
+        """Per block, the adapters' parameter count and the bytes their forward
+        saves beyond the base's (``A x``: tokens x rank floats per module)."""
+        modules = dict(self.model.named_modules())
+        r = self.lora.rank
+        numels, saved = [], []
+        prof = self._measured[1]
+        for i, paths in enumerate(self.adapter_paths):
+            shapes = [linear_shape(modules[p]) for p in paths]
+            numels.append(sum(r * (n_in + n_out) for n_in, n_out in shapes))
+            tokens = prof.blocks[i].input_bytes // (4 * shapes[0][0]) if shapes else 0
+            saved.append(4 * tokens * r * len(shapes))
+        return numels, saved
+
+    def _adapter(self, budget: int, disk: int, facts: NodeFacts) -> Assignment | None:
+        """The adapter assignment with the lowest start block that fits."""
+        usable = budget - self.reserve
+        if usable <= 0:
+            return None
+        for start in self.adapter_starts():
+            try:
+                plan, _ = plan_units(
+                    self.adapter_profiles(start), usable, disk_budget_bytes=disk
+                )
+            except BudgetError:
+                continue
+            a = self._timed("adapter", budget, disk, plan, None, facts)
+            return replace(a, adapters=replace(self.lora, start=start))
+        return None
+
     def _min_budget(self, start: int, stop: int, disk: int) -> int:
         key = (start, stop, disk)
         if key not in self._min:
@@ -281,6 +385,62 @@ def part_profile(profile: Profile, start: int, stop: int) -> Profile:
             b = replace(b, grad_bytes=0, optimizer_state_bytes=0)
         blocks.append(b)
     held = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks[:start])
+    if start > 0:
+        held += profile.blocks[start].costs[1].input_bytes
+    return replace(
+        profile, blocks=tuple(blocks), batch_bytes=profile.batch_bytes + held
+    )
+
+
+def adapter_profile(
+    profile: Profile,
+    start: int,
+    adapter_numels: list[int],
+    *,
+    lora_saved_bytes: list[int] | None = None,
+    base_bytes_per_param: int = 4,
+) -> Profile:
+    """The profile of the chain ``[start, last]`` with LoRA adapters on a frozen
+    base (``memory.lora``).
+
+    Per block from ``start``: the base's parameters at ``base_bytes_per_param`` bytes
+    each (2: bfloat16), no gradient and no optimizer state for them; the adapters'
+    ``adapter_numels[i]`` float32 parameters with their gradients and AdamW's two
+    moments; the block's activations as profiled (the backward still runs through
+    it) plus ``lora_saved_bytes[i]`` (the ``A x`` products kept for ``B``'s
+    gradient). The frozen prefix's parameters and the chain's input are held
+    through the step (``batch_bytes``), as in ``part_profile``.
+    """
+    n = len(profile.blocks)
+    saved = lora_saved_bytes or [0] * n
+    before = {b.name for b in profile.blocks[:start]}
+
+    def base(nbytes: int) -> int:
+        return nbytes * base_bytes_per_param // 4
+
+    blocks = []
+    for i in range(start, n):
+        b = profile.blocks[i]
+        if any(o in before for o in b.shared_with):  # owner frozen in the prefix
+            b = replace(b, shared_param_bytes=0, shared_with=())
+        numel = adapter_numels[i]
+        costs = {
+            m: replace(c, saved_bytes=c.saved_bytes + saved[i] // m)
+            for m, c in b.costs.items()
+        }
+        blocks.append(
+            replace(
+                b,
+                num_params=b.num_params + numel,
+                param_bytes=base(b.param_bytes) + 4 * numel,
+                grad_bytes=4 * numel,
+                optimizer_state_bytes=8 * numel,
+                shared_param_bytes=base(b.shared_param_bytes),
+                max_param_tensor_bytes=max(base(b.max_param_tensor_bytes), 0),
+                costs=costs,
+            )
+        )
+    held = sum(base(b.param_bytes) + b.buffer_bytes for b in profile.blocks[:start])
     if start > 0:
         held += profile.blocks[start].costs[1].input_bytes
     return replace(

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from memory.lora import LoraSpec
 from memory.sizes import parse_bytes
 from server.fedopt import ServerOptConfig
 from wire.flat import flat_key, from_flat, to_flat
@@ -38,6 +39,33 @@ class PrivacyConfig:
     )
     #   [dp-noise-multiplier] Gaussian noise of this many clipping norms on the sum
     #   of clipped changes
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """LoRA adapters on a frozen base (run-config key in brackets; memory.lora,
+    server.lora_agg)."""
+
+    mode: str = field(default="off", metadata={"key": "adapters"})
+    #   [adapters] off | auto | all: auto gives a node that no whole-model plan fits
+    #   an adapter assignment before a part window; all gives every node one
+    rank: int = field(default=8, metadata={"key": "lora-rank"})
+    #   [lora-rank] the factors' rank r
+    alpha: float = field(default=16.0, metadata={"key": "lora-alpha"})
+    #   [lora-alpha] updates scale by alpha / r
+    targets: tuple[str, ...] = field(default=(), metadata={"key": "lora-targets"})
+    #   [lora-targets] leaf names of the adapted linear modules ("qkv,fc");
+    #   "": every linear module of the blocks before the head
+    base_dtype: str = field(default="float32", metadata={"key": "lora-base-dtype"})
+    #   [lora-base-dtype] float32 | bfloat16: how a node holds the frozen base
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(
+            rank=self.rank,
+            alpha=self.alpha,
+            targets=self.targets,
+            base_dtype=self.base_dtype,
+        )
 
 
 @dataclass(frozen=True)
@@ -219,6 +247,8 @@ class ServerConfig:
     #   [export-quantize] [eval-runtime] [eval-only]
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     #   [dp-clipping-norm] [dp-noise-multiplier]
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    #   [adapters] [lora-rank] [lora-alpha] [lora-targets] [lora-base-dtype]
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     #   [server-opt] [server-lr] [server-momentum] [server-beta1] [server-beta2]
     #   [server-tau] [aggregation] [trim-fraction]: the server optimiser and the
@@ -324,6 +354,34 @@ class ServerConfig:
             )
         if self.strategy not in STRATEGIES:
             raise bad("strategy", self.strategy, " or ".join(STRATEGIES))
+        ad = self.adapters
+        if ad.mode not in ("off", "auto", "all"):
+            raise bad("adapters", ad.mode, "one of off, auto, all")
+        try:
+            ad.spec()
+        except ValueError as e:
+            raise bad("lora-rank/lora-alpha/lora-base-dtype", ad, str(e)) from None
+        if ad.mode != "off" and privacy.clipping_norm > 0:
+            raise bad(
+                "adapters",
+                ad.mode,
+                "central DP has nodes clip their replies against the arrays they "
+                "received, and an adapter reply holds factors it did not receive; "
+                "use dp-clipping-norm=0 with adapters",
+            )
+        if ad.mode != "off" and self.shape.proximal_mu > 0:
+            raise bad(
+                "adapters",
+                ad.mode,
+                "adapters start fresh every round, so FedProx's anchor (the "
+                "received weights) has nothing to hold them to; use proximal-mu=0",
+            )
+        if ad.mode != "off" and self.strategy != "fleetfit":
+            raise bad(
+                "adapters",
+                ad.mode,
+                f"adapter assignments come from strategy=fleetfit, not {self.strategy}",
+            )
         if self.strategy in ("heterofl", "fedrolex") and (
             self.server_opt.aggregation != "mean" or privacy.clipping_norm > 0
         ):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
+from memory.lora import factor_shapes, fan_in_fan_out, target_paths
 from memory.sizes import format_bytes
 from server import persist, privacy
 from server.aggregate import (
@@ -30,6 +31,7 @@ from server.assign import Assigner, Assignment
 from server.class_metrics import class_metrics, class_test_items
 from server.config import ServerConfig
 from server.fedopt import ServerOptimizer
+from server.lora_agg import check_factors, merged_update
 from server.onnx_rounds import OnnxRounds
 from server.simtime import device_time, round_time
 from server.submodel import STRATEGIES as SUBMODEL_STRATEGIES
@@ -90,6 +92,8 @@ class Federation:
                 train_time_s=cfg.train_time,
                 strategy=cfg.strategy,
                 proximal_mu=cfg.shape.proximal_mu,
+                adapters=cfg.adapters.mode,
+                lora=cfg.adapters.spec(),
             )
         self.server_opt = ServerOptimizer(
             cfg.server_opt,
@@ -419,6 +423,15 @@ class Federation:
             reason=a.reason,
             eval_runtime=eval_runtime,
         )
+        if a.adapters is not None:
+            ins = replace(
+                ins,
+                window_start=a.adapters.start,
+                lora_rank=a.adapters.rank,
+                lora_alpha=a.adapters.alpha,
+                lora_targets=a.adapters.targets,
+                base_dtype=a.adapters.base_dtype,
+            )
         config = ConfigRecord(dict(ins.to_config()))
         if cfg.privacy.clipping_norm > 0:  # nodes clip too (client.app's clipping_mod)
             config[privacy.KEY_CLIPPING_NORM] = cfg.privacy.clipping_norm
@@ -436,6 +449,8 @@ class Federation:
             "kind": a.kind,
             "window": list(a.window) if a.window else None,
             "width": a.width,
+            "adapter_start": a.adapters.start if a.adapters else None,
+            "lora_rank": a.adapters.rank if a.adapters else None,
             "local_steps": a.local_steps,
             "predicted_peak_bytes": a.predicted_peak_bytes or None,
             "predicted_step_s": a.predicted_step_s or None,
@@ -509,6 +524,14 @@ class Federation:
                     state, coverage = expand(
                         state, self.model.state_dict(), self.assigner.maps(a)
                     )
+                except ValueError as e:
+                    errors.append(f"node {node_id}: malformed reply ({e})")
+                    rec["status"] = f"malformed: {e}"
+                    log.warning("node %s sent a malformed reply: %s", node_id, e)
+                    continue
+            if a.adapters is not None:  # the factors -> the weights they amount to
+                try:
+                    state = self._adapter_update(a, state)
                 except ValueError as e:
                     errors.append(f"node {node_id}: malformed reply ({e})")
                     rec["status"] = f"malformed: {e}"
@@ -612,8 +635,35 @@ class Federation:
         last = rounds[-1].get("sim_elapsed_s") if rounds else None
         return float(last) if isinstance(last, int | float) else 0.0
 
+    def _adapter_paths(self, a: Assignment) -> list[str]:
+        assert a.adapters is not None
+        return [
+            p
+            for ps in target_paths(self.model, self.assigner.blocks, a.adapters)
+            for p in ps
+        ]
+
+    def _adapter_update(
+        self, a: Assignment, factors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """An adapter reply as the target weights it trained, ``W + s B @ A``
+        (``server.lora_agg``: their per-key mean is FLoRA's stacked update)."""
+        assert a.adapters is not None
+        paths = self._adapter_paths(a)
+        check_factors(factors, factor_shapes(self.model, paths, a.adapters.rank))
+        modules = dict(self.model.named_modules())
+        return merged_update(
+            self.model.state_dict(),
+            factors,
+            paths,
+            a.adapters.scaling,
+            {p: fan_in_fan_out(modules[p]) for p in paths},
+        )
+
     def _expected_keys(self, a: Assignment) -> frozenset[str] | None:
         """The keys a reply to ``a`` must carry (None: every key of the model)."""
+        if a.adapters is not None:  # after _adapter_update: the target weights
+            return frozenset(f"{p}.weight" for p in self._adapter_paths(a))
         if a.window is None:
             return None
         return frozenset(trained_keys(self.model, a.window, self.assigner.blocks))

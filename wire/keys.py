@@ -39,7 +39,7 @@ EVAL_S = "eval-s"
 ONNX_MODEL = "model.onnx"  # key of the ONNX file's bytes (uint8) in ``arrays``
 
 # the report of a train reply
-KIND = "kind"  # full | part | none: the assignment that ran
+KIND = "kind"  # full | part | adapter | none: the assignment that ran
 WINDOW = "window"  # part: [start, stop)
 PEAK_METHOD = "peak-method"  # child | inline | inline-unreset | ort-child
 REASON = "reason"  # none: why nothing fits, in words

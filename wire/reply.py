@@ -1,7 +1,8 @@
 """What a client answers: written by ``client`` and read by ``server``, here only.
 
 A train reply holds ``arrays`` (the trained state: every key for ``full``, the window
-and head for ``part``, none for ``none``), ``metrics`` (``num-examples`` and what the
+and head for ``part``, the LoRA factors ``<module>.lora_A``/``<module>.lora_B`` for
+``adapter``, none for ``none``), ``metrics`` (``num-examples`` and what the
 node measured) and ``report`` (the assignment that ran, how the peak was measured).
 
 ``read_train_reply`` reads a reply from any node, a stock client or a misbehaving
@@ -59,7 +60,7 @@ class EvalResult:
 class TrainReply:
     """A train reply's figures and report (its arrays travel beside it)."""
 
-    kind: str  # full | part | none: the assignment that ran
+    kind: str  # full | part | adapter | none: the assignment that ran
     num_examples: int | None = None  # items in the node's share (0 for none)
     partition_id: int | None = None
     train_loss: float | None = None  # mean loss over the local steps
@@ -141,7 +142,7 @@ class TrainReply:
         record = content.config_records.get(keys.REPORT)
         report: dict[str, Any] = dict(record) if record is not None else {}
         metrics = _one(content.metric_records, keys.METRICS, "MetricRecord")
-        _text(report, keys.KIND, ("full", "part", "none"))
+        _text(report, keys.KIND, ("full", "part", "adapter", "none"))
         window = report.get(keys.WINDOW)
         if window is not None and not (
             isinstance(window, list)
