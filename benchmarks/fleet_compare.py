@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -410,6 +411,11 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True
+    )
+    for quiet in ("flwr", "alembic", "ray"):  # one line per round is enough
+        logging.getLogger(quiet).setLevel(logging.WARNING)
     t0 = time.monotonic()
     done = run(cfg)
     wall = time.monotonic() - t0
