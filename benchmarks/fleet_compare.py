@@ -78,6 +78,8 @@ class BenchConfig:
     out: str = ""
     figures: str = str(FIGURES)
     json: str = ""  # also write the results here
+    merge: tuple[str, ...] = ()  # report only: these summary.json files, merged
+    sweep_from: str = ""  # with merge: a --json file whose lr sweep to record
 
     def server_opt_config(self) -> ServerOptConfig:
         cfg = ServerOptConfig(name=self.server_opt, lr=self.server_lr)
@@ -110,6 +112,16 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "--smoke", action="store_true", help="1 round x 1 step, two strategies"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        help="report only: merge these summary.json files (strategies of one "
+        "fleet and setting run separately) into --out",
+    )
+    ap.add_argument(
+        "--sweep-from", default="", help="with --merge: a --json file with the sweep"
     )
     args = ap.parse_args(argv)
     settings = tuple(s for s in args.settings.split(",") if s)
@@ -149,6 +161,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         out=args.out,
         figures=args.figures,
         json=args.json or "",
+        merge=tuple(args.merge),
+        sweep_from=args.sweep_from,
     )
     if args.smoke:
         cfg = replace(
@@ -358,6 +372,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 lr_grid(fleet.shape.lr),
                 out / stem / "lr-sweep",
                 rounds=cfg.sweep_rounds,
+                pretrain_dir=out / stem / "pretrain",
                 server_opt=server_opt,
                 **engine,
             )
@@ -409,8 +424,51 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     return {"out": str(out), "results": results}
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One comparison from several ``summary.json`` of the same fleet, setting,
+    rounds and seed (strategies run in separate processes); later files win."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        if merged and part["fleet"] != merged["fleet"]:
+            raise ValueError(f"{path}: another fleet or setting than {paths[0]}")
+        strategies = {**merged.get("strategies", {}), **part["strategies"]}
+        merged = {**merged, **part, "strategies": strategies}
+        merged["lr_sweep"] = part.get("lr_sweep") or merged.get("lr_sweep")
+    return merged
+
+
+def report_merged(paths: list[str], out: str, figures: str, sweep: str) -> None:
+    """``--merge``: tables, report and plots of ``merge(paths)`` (and a sweep's
+    table from ``sweep``, a benchmark ``--json`` file), nothing run."""
+    from simulations.lr_sweep import format_sweep
+    from simulations.report import write_report
+
+    result = merge(paths)
+    if sweep:
+        for r in json.loads(Path(sweep).read_text())["results"].values():
+            if r.get("lr_sweep"):
+                result["lr_sweep"] = r["lr_sweep"]
+    if result.get("lr_sweep"):
+        print(format_sweep(result["lr_sweep"]) + "\n")
+    text, checks = tables(result)
+    print(text + "\n\ntargets")
+    for what, ok in checks:
+        print(f"  {'met   ' if ok else 'MISSED'}  {what}")
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.json").write_text(json.dumps(result, indent=2))
+    write_report(dest, result)
+    f = result["fleet"]
+    stem = f"{f['name']}-{'pretrained' if f.get('pretrain') else 'scratch'}"
+    print("\n".join(copy_plots(dest, figures, stem)))
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.merge:
+        report_merged(list(cfg.merge), cfg.out or ".", cfg.figures, cfg.sweep_from)
+        return 0
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True
     )

@@ -100,12 +100,14 @@ def sweep(
     *,
     rounds: int,
     run: RunFn | None = None,
+    pretrain_dir: str | Path | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Run every strategy at every candidate lr for ``rounds`` rounds; the table and
     each strategy's choice (module doc). ``kwargs`` go to ``run`` (engine options,
     ``server_opt``). Run folders: ``out/STRATEGY-lrLR``; pretrained models are cached
-    once in ``out/pretrain``."""
+    once in ``pretrain_dir`` (default ``out/pretrain``; give the comparison's to share
+    them with it)."""
     if run is None:
         from simulations.compare import run_strategy
 
@@ -126,10 +128,17 @@ def sweep(
                 with_lr(short, lr),
                 name,
                 out / f"{name}-lr{lr:g}",
-                pretrain_dir=out / "pretrain",
+                pretrain_dir=Path(pretrain_dir or out / "pretrain"),
                 **kwargs,
             )
             metric_name = metric_name or str(entry.get("metric_name", ""))
+            log.info(
+                "lr sweep: %s at lr %g: %s %s",
+                name,
+                lr,
+                metric_name,
+                entry.get("final_metric"),
+            )
             rows.append(
                 {
                     "strategy": name,
