@@ -65,9 +65,9 @@ class BenchConfig:
     second_setting: str = "pretrained"  # its one setting
     settings: tuple[str, ...] = SETTINGS
     strategies: tuple[str, ...] = STRATEGIES
-    rounds: int = 6  # rounds per comparison
+    rounds: int = 5  # rounds per comparison
     local_steps: int = 10  # optimizer steps per device per round
-    pretrain_steps: int = 300  # AdamW steps of the [pretrain] table
+    pretrain_steps: int = 200  # AdamW steps of the [pretrain] table
     pretrain_share: float = 0.2  # of every data group, held out from every device
     server_opt: str = "fedavg"  # the same for every strategy
     server_lr: float = 0.0  # 0: the optimiser's default
