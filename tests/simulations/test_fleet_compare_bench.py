@@ -119,3 +119,23 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
     assert c["better than exclude on lo's data, equal simulated time"]  # 31 vs 35
     assert "| lo* |" in text and "| hi |" in text
     assert "30.00 (1)" in text and "15.00 (2)" in text
+
+
+def test_merge_joins_strategies_of_one_fleet(bench, tmp_path):
+    fleet = {"name": "phones", "pretrain": None}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(
+        '{"fleet": {"name": "phones", "pretrain": null}, "metric_name": "perplexity",'
+        ' "strategies": {"fleetfit": {"final_metric": 1.0}}}'
+    )
+    b.write_text(
+        '{"fleet": {"name": "phones", "pretrain": null}, "metric_name": "perplexity",'
+        ' "strategies": {"exclude": {"final_metric": 2.0}}}'
+    )
+    merged = bench.merge([str(a), str(b)])
+    assert merged["fleet"] == fleet
+    assert list(merged["strategies"]) == ["fleetfit", "exclude"]
+    c = tmp_path / "c.json"
+    c.write_text('{"fleet": {"name": "edge"}, "strategies": {}}')
+    with pytest.raises(ValueError, match="another fleet"):
+        bench.merge([str(a), str(c)])
