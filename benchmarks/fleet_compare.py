@@ -16,7 +16,7 @@ chosen by one rule for all (``simulations.lr_sweep``): ``--lrs`` gives the recor
 choices (``name=lr,...``), ``--sweep-rounds N`` runs the sweep first (3 candidates per
 strategy, N rounds each). Prints per setting the final metric overall and on the
 data of every device class (``exclude``'s left-out classes marked) at equal rounds and
-at equal simulated time (the shortest run's simulated time: each strategy's model
+at equal simulated time (the shortest simulated time of a run that trained: the model
 at its last round finished by then), participation and wall time; then the targets
 and whether each was met, the machine and its own wall time. Plots (metric vs rounds,
 vs simulated time, per class) go to ``--figures``.
@@ -257,7 +257,13 @@ def tables(result: dict[str, Any]) -> tuple[str, list[tuple[str, bool]]]:
     names = list(entries)
     classes = list(next(iter(entries.values()))["classes"])
     out_cls = left_out(entries)
-    sims = [e["sim_s"] for e in entries.values() if isinstance(e.get("sim_s"), float)]
+    # equal simulated time: the shortest run among those that trained at all (a
+    # strategy with no accepted update has 0 simulated seconds)
+    sims = [
+        e["sim_s"]
+        for e in entries.values()
+        if isinstance(e.get("sim_s"), int | float) and e["sim_s"] > 0
+    ]
     t_eq = min(sims) if sims else math.nan
     timed = {n: at_time(e, metric, t_eq) for n, e in entries.items()}
     lines = [
