@@ -23,7 +23,7 @@ vs simulated time, per class) go to ``--figures``.
 
     python benchmarks/fleet_compare.py                     # the documented benchmark
     python benchmarks/fleet_compare.py --rounds 3 --local-steps 5 --settings scratch
-    python benchmarks/fleet_compare.py --smoke             # the machinery, ~3 minutes
+    python benchmarks/fleet_compare.py --smoke             # the machinery only (Ray)
 """
 
 from __future__ import annotations

@@ -102,3 +102,29 @@ def test_sweep_rejects_bad_input(tmp_path):
         sweep(fleet, ["fleetfit"], [0.001], tmp_path, rounds=0, run=lambda *a, **k: {})
     with pytest.raises(ValueError, match="positive"):
         sweep(fleet, ["fleetfit"], [0.0], tmp_path, rounds=1, run=lambda *a, **k: {})
+
+
+def test_report_records_the_sweep():
+    from simulations.report import _lr_lines
+
+    rows = [
+        {"strategy": "fleetfit", "lr": 0.001, "final_metric": 18.5},
+        {"strategy": "fleetfit", "lr": 0.003, "final_metric": 19.2},
+    ]
+    table = {
+        "metric_name": "perplexity",
+        "rounds": 1,
+        "local_steps": 5,
+        "lrs": [0.001, 0.003],
+        "rows": rows,
+        "chosen": choose(rows, "perplexity"),
+    }
+    compare = {
+        "server_opt": {"name": "fedavg", "lr": 1.0},
+        "lr_sweep": table,
+        "strategies": {"fleetfit": {"lr": 0.001}},
+    }
+    text = "\n".join(_lr_lines(compare))
+    assert "## Learning rates" in text and "fleetfit 0.001" in text
+    assert "| fleetfit | 18.5* | 19.2 | 0.001 |" in text
+    assert _lr_lines({"strategies": {}}) == []
