@@ -36,6 +36,7 @@ from typing import Any
 from memory.sizes import format_bytes
 from server.class_metrics import class_metrics, class_test_items
 from server.config import ExportConfig, ServerConfig
+from server.fedopt import ServerOptConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
 from workloads import Workload, get_workload
@@ -124,6 +125,7 @@ def settings_for(
     *,
     workload: str | None = None,
     init_model: str = "",
+    server_opt: ServerOptConfig | None = None,
     **engine: Any,
 ) -> SimulationSettings:
     """The simulation of one strategy on ``fleet``.
@@ -131,7 +133,8 @@ def settings_for(
     ``engine``: ``SimulationSettings`` fields of how it runs, not what it simulates:
     ``cpus_per_client``, ``progress``, ``ray_address``, ``client_measure`` (``auto``
     measures every training in a child process, ``inline`` in the client's own, which
-    is quicker and coarser).
+    is quicker and coarser). ``server_opt``: the server optimiser (default FedAvg),
+    the same for every strategy of a comparison.
     """
     check_strategies([strategy])
     allowed = {"cpus_per_client", "progress", "ray_address", "client_measure"}
@@ -151,6 +154,7 @@ def settings_for(
         eval_windows=fleet.eval_windows,
         round_deadline_s=fleet.round_deadline_s,
         init_model=init_model,
+        server_opt=server_opt or ServerOptConfig(),
         **engine,
     )
 
@@ -161,6 +165,7 @@ def run_strategy(
     out: str | Path,
     *,
     pretrain_dir: str | Path | None = None,
+    server_opt: ServerOptConfig | None = None,
     **engine: Any,
 ) -> dict[str, Any]:
     """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry
@@ -185,12 +190,19 @@ def run_strategy(
         )
         init_model = str(pretrained.path)
     settings = settings_for(
-        fleet, strategy, out, workload=workload, init_model=init_model, **engine
+        fleet,
+        strategy,
+        out,
+        workload=workload,
+        init_model=init_model,
+        server_opt=server_opt,
+        **engine,
     )
     t0 = time.monotonic()
     summary = simulate(settings)
     wall = time.monotonic() - t0
     entry = summarize(fleet, summary, Path(out), wall_s=wall, workload=workload)
+    entry["lr"] = fleet.shape.lr
     if strategy in SUBMODEL_STRATEGIES:
         from simulations.baselines import sizing
 
@@ -207,13 +219,19 @@ def compare(
     *,
     target: float | None = None,
     report: bool = True,
+    server_opt: ServerOptConfig | None = None,
+    lrs: dict[str, float] | None = None,
+    lr_sweep: dict[str, Any] | None = None,
     **engine: Any,
 ) -> dict[str, Any]:
     """Run each strategy on the same fleet, split and seed; write the comparison.
 
     ``target``: the metric for "rounds to target" (default: the worst final metric
-    among the strategies, the quality every one of them reaches). ``engine``: see
-    ``settings_for``.
+    among the strategies, the quality every one of them reaches). ``server_opt``: the
+    server optimiser of every strategy (default FedAvg). ``lrs``: a client lr per
+    strategy (``simulations.lr_sweep``; default the fleet's for all), and
+    ``lr_sweep`` the sweep that chose them, recorded in the summary and report.
+    ``engine``: see ``settings_for``.
     """
     names = check_strategies(strategies)
     if target is not None and not (math.isfinite(target) and target > 0):
@@ -229,8 +247,18 @@ def compare(
     entries: dict[str, dict[str, Any]] = {}
     for name in names:
         log.info("strategy %s on fleet %s", name, fleet.name)
+        mine = fleet
+        if lrs and name in lrs:
+            from simulations.lr_sweep import with_lr
+
+            mine = with_lr(fleet, lrs[name])
         entries[name] = run_strategy(
-            fleet, name, out / name, pretrain_dir=out / "pretrain", **engine
+            mine,
+            name,
+            out / name,
+            pretrain_dir=out / "pretrain",
+            server_opt=server_opt,
+            **engine,
         )
         entries[name]["run_folder"] = name
     metric = next(iter(entries.values()))["metric_name"]
@@ -244,8 +272,14 @@ def compare(
         "fleet": fleet.describe(),
         "metric_name": metric,
         "target": target,
+        "server_opt": {
+            "name": (server_opt or ServerOptConfig()).name,
+            "lr": (server_opt or ServerOptConfig()).resolved_lr,
+        },
         "strategies": entries,
     }
+    if lr_sweep is not None:
+        result["lr_sweep"] = lr_sweep
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     if report:
         from simulations.report import write_report

@@ -641,6 +641,34 @@ def _left_out_line(
     return f"- **{name}**: left out {', '.join(out) or 'no class'}{partly_text}."
 
 
+def _lr_lines(compare: dict[str, Any]) -> list[str]:
+    """The learning-rate section: the server optimiser and the sweep's table
+    (``simulations.lr_sweep``), when the comparison has them."""
+    sweep = compare.get("lr_sweep")
+    opt = compare.get("server_opt")
+    if not isinstance(sweep, dict) and not isinstance(opt, dict):
+        return []
+    from simulations.lr_sweep import format_sweep
+
+    lines = ["## Learning rates", ""]
+    if isinstance(opt, dict):
+        lines += [
+            f"Server optimiser `{opt.get('name')}`, server lr {opt.get('lr')}.",
+            "",
+        ]
+    lrs = {n: s.get("lr") for n, s in compare["strategies"].items() if s.get("lr")}
+    if lrs:
+        lines += [
+            "Client lr per strategy: "
+            + ", ".join(f"{n} {v:g}" for n, v in lrs.items())
+            + ".",
+            "",
+        ]
+    if isinstance(sweep, dict):
+        lines += [format_sweep(sweep), ""]
+    return lines
+
+
 def report_markdown(compare: dict[str, Any]) -> str:
     """``report.md``: title, headline table, the plots, a line per strategy."""
     metric = validate(compare)
@@ -683,6 +711,7 @@ def report_markdown(compare: dict[str, Any]) -> str:
             for n, s in compare["strategies"].items()
         ),
         "",
+        *_lr_lines(compare),
         "## Plots",
         "",
         f"![{metric} per round]({METRIC_PNG})",
