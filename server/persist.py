@@ -357,10 +357,13 @@ def save_round(
     remove_old_state_models(out, server_round)
 
 
-def load_state(
-    out: str | Path,
-) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]] | None:
-    """``(round, model state, summary, strategy state)`` saved in ``out``, or None."""
+def _read_state_file(out: str | Path) -> tuple[Path, Path, Any, str] | None:
+    """``(state folder, state.json, its parsed JSON, the fix for a bad one)``, or None
+    where ``out`` has no resume state.
+
+    Raises:
+        CheckpointError: state.json is not valid JSON.
+    """
     d = Path(out) / STATE_DIR
     path = d / STATE_FILE
     if not path.exists():
@@ -370,6 +373,17 @@ def load_state(
         state = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    return d, path, state, fix
+
+
+def load_state(
+    out: str | Path,
+) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]] | None:
+    """``(round, model state, summary, strategy state)`` saved in ``out``, or None."""
+    read = _read_state_file(out)
+    if read is None:
+        return None
+    d, path, state, fix = read
     ok = (
         isinstance(state, dict)
         and type(state.get("round")) is int
@@ -399,15 +413,10 @@ def load_state(
 def load_server_opt_state(out: str | Path) -> dict[str, torch.Tensor] | None:
     """The server optimiser's state saved with ``out``'s resume state (exact tensors),
     or None where none was saved (a fedavg run, or a run from before it was kept)."""
-    d = Path(out) / STATE_DIR
-    path = d / STATE_FILE
-    if not path.exists():
+    read = _read_state_file(out)
+    if read is None:
         return None
-    fix = f"restore {d} from a backup, or move it away to start the run from round 1"
-    try:
-        state = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    d, path, state, fix = read
     name = state.get("server_opt") if isinstance(state, dict) else None
     if name is None:
         return None
