@@ -131,7 +131,8 @@ class Assigner:
         self.reserve = runtime_reserve_bytes
         self.train_time_s = train_time_s
         self.proximal_mu = proximal_mu  # > 0: plans hold FedProx's anchor, no streaming
-        self._profiles: dict[int, Profile] | None = None
+        self._profiles: dict[int, Profile] | None = None  # as measured
+        self._trained: dict[int, Profile] | None = None  # as priced (``profiles``)
         self._plain: MemoryPlan | None = None
         self._min: dict[tuple[int, int, int], int] = {}
         self._parts: dict[tuple[int, int], dict[int, Profile]] = {}
@@ -139,8 +140,12 @@ class Assigner:
     @property
     def profiles(self) -> dict[int, Profile]:
         """The whole model's profiles by loss chunk count (``{1: ...}`` for a chain),
-        as trained: with FedProx's anchor where ``proximal_mu > 0``."""
-        return {c: anchored(p, self.proximal_mu) for c, p in self._measured.items()}
+        as trained: with FedProx's anchor where ``proximal_mu > 0`` (made once)."""
+        if self._trained is None:
+            self._trained = {
+                c: anchored(p, self.proximal_mu) for c, p in self._measured.items()
+            }
+        return self._trained
 
     @property
     def _measured(self) -> dict[int, Profile]:
