@@ -234,6 +234,36 @@ def runtime_factor(prof: Profile, cfg) -> tuple[float, float, float]:
     return factor, measured, first
 
 
+def action_table(plan, res: list[dict], speed: dict[str, float]) -> str:
+    """Per rank, the measured forward and backward actions (median wall ms, median CPU
+    ms) against the simulator's, and how the step splits into compute and waiting."""
+    lines = [
+        f"{'rank':>4}  {'device':<8}{'F ms sim':>9}{'F wall':>8}{'F cpu':>7}"
+        f"{'B ms sim':>9}{'B wall':>8}{'B cpu':>7}{'busy s':>8}{'wait s':>8}"
+    ]
+    import statistics as st_
+
+    for r in res[: plan.num_ranks]:
+        mine = [s for s in plan.stages if s.rank == r["rank"]]
+        steps = r["trace"][1:] or r["trace"]
+        acts = [a for t in steps for a in t if a[0] in "FB"]
+        f = [a for a in acts if a[0] == "F"]
+        b = [a for a in acts if a[0] == "B"]
+        busy = st_.median(sum(a[4] - a[3] for a in t if a[0] in "FB") for t in steps)
+        step = st_.median(t[-1][4] for t in steps)
+        lines.append(
+            f"{r['rank']:>4}  {mine[0].devices[0]:<8}"
+            f"{sum(s.forward_s for s in mine) * 1e3:>9.1f}"
+            f"{st_.median(a[4] - a[3] for a in f) * 1e3:>8.1f}"
+            f"{st_.median(a[5] for a in f) * 1e3:>7.1f}"
+            f"{sum(s.backward_s for s in mine) * 1e3:>9.1f}"
+            f"{st_.median(a[4] - a[3] for a in b) * 1e3:>8.1f}"
+            f"{st_.median(a[5] for a in b) * 1e3:>7.1f}"
+            f"{busy:>8.3f}{step - busy:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default: 6)")
@@ -257,6 +287,16 @@ def main() -> int:
         help="scale the blocks' times by what a 2-rank full-speed run measures "
         "(a diagnostic: it over-predicts the fleet, see docs/partition.md)",
     )
+    ap.add_argument(
+        "--quota-model",
+        action="store_true",
+        help="plan with the hosts' CPU quotas (cpu_limit: full speed in bursts) and "
+        "the runtime's send semantics (sends='rendezvous'); by default hosts compute "
+        "at their probed sustained rate and tensors move as soon as they are made",
+    )
+    ap.add_argument(
+        "--trace-out", default="", help="write every rank's action trace here (JSON)"
+    )
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--probe-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -267,7 +307,7 @@ def main() -> int:
     from memory.sizes import format_bytes, parse_bytes
     from partition import netns
     from partition.cluster import Cluster, parse_bandwidth
-    from partition.evaluate import even_split, fixed_plan
+    from partition.evaluate import even_split, fixed_plan, simulate_plan
     from partition.planner import plan_partition
     from partition.plans import PlannerConfig
 
@@ -324,6 +364,7 @@ def main() -> int:
         schedules=("GPipe", "1F1B", "Interleaved1F1B"),
         action_overhead_s=overhead,
         update_s_per_byte=full["update_s"] * to_profile / full["param_bytes"],
+        sends="rendezvous" if args.quota_model else "eager",
     )
     names = [b.name for b in prof.blocks]
     bw = parse_bandwidth(args.bandwidth)
@@ -336,12 +377,18 @@ def main() -> int:
             f"blocks' times x {factor:.2f} in the runtime"
         )
 
-    def cluster(fast_mem: int) -> Cluster:
+    def cluster(fast_mem: int, quotas: bool = args.quota_model) -> Cluster:
+        def q(share: float) -> dict:
+            if not quotas:
+                return {}
+            return {"cpu_limit": share, "cpu_period": netns.PERIOD_US * 1e-6}
+
         hosts = [
             {
                 "name": f"fast{i}",
                 "memory": fast_mem,
                 "compute": speed[f"fast{i}"] * UNIT,
+                **q(args.fast),
             }
             for i in range(2)
         ] + [
@@ -349,6 +396,7 @@ def main() -> int:
                 "name": f"slow{i}",
                 "memory": args.slow_memory,
                 "compute": speed[f"slow{i}"] * UNIT,
+                **q(args.slow),
             }
             for i in range(2)
         ]
@@ -402,6 +450,7 @@ def main() -> int:
     print("even split:\n" + even.table() + "\n")
 
     rows = []
+    traces: list[dict] = []
     for label, plan in (("even split (torch)", even), ("fleetfit plan", planned)):
         order = [
             plan.stages[r].devices[g]
@@ -416,7 +465,9 @@ def main() -> int:
             pf = Path(tmp) / "plan.json"
             pf.write_text(plan.to_json())
             with netns.Fleet(hosts) as fleet:
-                res = fleet.run_ranks(pf, WORKLOAD, tmp, steps=args.steps)
+                res = fleet.run_ranks(
+                    pf, WORKLOAD, tmp, steps=args.steps, extra=["--trace"]
+                )
         step = max(r["step_s"] for r in res)
         rows.append((label, plan, step, res[0]["losses"]))
         print(f"{label}, per rank (one replica):")
@@ -438,19 +489,53 @@ def main() -> int:
                     )[:4]
                 )
             )
+        print(action_table(plan, res, speed))
+        sim = simulate_plan(plan, prof, c, cfg)
+        traces.append(
+            {
+                "run": label,
+                "plan": plan.to_dict(),
+                "ranks": res,
+                "simulated": [
+                    [e.rank, e.kind, e.microbatch, e.start_s, e.end_s]
+                    for e in sim.events
+                ],
+            }
+        )
         print()
+    if args.trace_out:
+        Path(args.trace_out).write_text(
+            json.dumps(
+                {
+                    "speed": speed,
+                    "fast_memory": fast_mem,
+                    "profile": prof.to_dict(),
+                    "config": {
+                        "action_overhead_s": cfg.action_overhead_s,
+                        "update_s_per_byte": cfg.update_s_per_byte,
+                    },
+                    "runs": traces,
+                }
+            )
+        )
+    # the other model's figure for the same plan, side by side
+    other_c = cluster(fast_mem, quotas=not args.quota_model)
+    other_cfg = replace(cfg, sends="eager" if args.quota_model else "rendezvous")
+    other = "fluid" if args.quota_model else "quota"
     print(
         f"{'run':<20}{'stages (blocks)':<22}{'sched':<10}{'m':>3}{'measured s':>12}"
-        f"{'simulated s':>13}{'error':>8}{'examples/s':>12}"
+        f"{'simulated s':>13}{'error':>8}{other + ' s':>9}{'error':>8}{'examples/s':>12}"
     )
     for label, plan, step, _ in rows:
         split = "+".join(str(len(s.blocks)) for s in plan.stages)
         if plan.num_replicas > 1:
             split += f" x{plan.num_replicas}"
         err = (plan.predicted_step_s - step) / step
+        alt = simulate_plan(plan, prof, other_c, other_cfg).step_s
         print(
             f"{label:<20}{split:<22}{plan.schedule_name:<10}{plan.num_microbatches:>3}"
             f"{step:>12.3f}{plan.predicted_step_s:>13.3f}{err:>+8.1%}"
+            f"{alt:>9.3f}{(alt - step) / step:>+8.1%}"
             f"{plan.batch_size / step:>12.2f}"
         )
     speedup = rows[0][2] / rows[1][2]

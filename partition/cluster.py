@@ -14,11 +14,20 @@ A cluster file is TOML::
     memory = "600MB"               # per device: what a stage may use above the baseline
     compute = "20GFLOP/s"          # per device; "probe" measures this machine's matmul rate
     # peak = "989TFLOP/s"          # optional: the hardware peak, for MFU (GPUs)
+    # cpu_limit = 0.5              # optional: a CPU quota (a container's CPU limit,
+    # cpu_period = "100ms"         #   cgroup cpu.max) in cores per period; see below
 
     [[links]]                      # optional overrides for one pair of hosts
     hosts = ["fast0", "slow0"]
     bandwidth = "5MB/s"
     latency = "1ms"
+
+A host under a CPU quota (``cpu_limit``, cores granted per ``cpu_period``, default
+100 ms as in cgroups and Kubernetes) runs each action at full speed while its quota
+lasts and then waits for the next period. ``compute`` stays the host's sustained rate
+under the limit (what a probe running on it measures); the simulator paces actions
+with the quota (``partition.simulate.CpuQuota``): a short action after a wait finishes
+sooner than the sustained rate says, one that outlasts the quota waits out periods.
 
 Devices on one host talk over ``[network] intra_bandwidth`` / ``intra_latency``
 (default 10 GB/s, 5 us). The same structure can be built in Python::
@@ -144,6 +153,8 @@ class Device:
         memory_bytes: what a stage may use on it (above the runtime's baseline), bytes.
         flops_per_s: its sustained training rate, FLOP/s (fp32 on CPU).
         peak_flops_per_s: its hardware peak, FLOP/s, for MFU (defaults to flops_per_s).
+        cpu_limit: cores granted per ``cpu_period_s`` by a CPU quota, or None.
+        cpu_period_s: the quota's period, seconds.
     """
 
     name: str
@@ -151,6 +162,8 @@ class Device:
     memory_bytes: int
     flops_per_s: float
     peak_flops_per_s: float
+    cpu_limit: float | None = None
+    cpu_period_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -266,7 +279,18 @@ class Cluster:
             where = f"hosts[{i}]"
             if not isinstance(h, dict):
                 raise ClusterError(f"{where} must be a table, got {h!r}")
-            bad = sorted(set(h) - {"name", "devices", "memory", "compute", "peak"})
+            bad = sorted(
+                set(h)
+                - {
+                    "name",
+                    "devices",
+                    "memory",
+                    "compute",
+                    "peak",
+                    "cpu_limit",
+                    "cpu_period",
+                }
+            )
             if bad:
                 raise ClusterError(f"{where}: unknown field(s) {bad}")
             name = h.get("name", f"host{i}")
@@ -305,9 +329,33 @@ class Cluster:
             else:
                 rate = parse_rate(comp, f"{where}.compute")
             peak = parse_rate(h["peak"], f"{where}.peak") if "peak" in h else rate
+            limit = None
+            if "cpu_limit" in h:
+                v = h["cpu_limit"]
+                if (
+                    isinstance(v, bool)
+                    or not isinstance(v, int | float)
+                    or not (0 < v < math.inf)
+                ):
+                    raise ClusterError(
+                        f"{where}.cpu_limit must be a positive number of cores, got "
+                        f"{v!r}; e.g. cpu_limit = 0.5"
+                    )
+                limit = float(v)
+            elif "cpu_period" in h:
+                raise ClusterError(
+                    f"{where} ({name}) has cpu_period but no cpu_limit; give both, "
+                    'e.g. cpu_limit = 0.5, cpu_period = "100ms"'
+                )
+            period = parse_seconds(h.get("cpu_period", 0.1), f"{where}.cpu_period")
+            if period <= 0:
+                raise ClusterError(
+                    f"{where}.cpu_period must be > 0, got {h['cpu_period']!r}; "
+                    'e.g. cpu_period = "100ms"'
+                )
             for j in range(count):
                 dname = name if count == 1 else f"{name}:{j}"
-                devices.append(Device(dname, name, mem, rate, peak))
+                devices.append(Device(dname, name, mem, rate, peak, limit, period))
         links: dict[tuple[str, str], Link] = {}
         raw_links = d.get("links", [])
         if not isinstance(raw_links, list):

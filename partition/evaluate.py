@@ -19,7 +19,7 @@ from partition.cluster import Cluster, Device
 from partition.pipeline import build_schedule, check_schedule_args
 from partition.plans import PartitionError, PartitionPlan, PlannerConfig, StagePlan
 from partition.schedule import compile_plan
-from partition.simulate import SimResult, StageCost, simulate
+from partition.simulate import CpuQuota, SimResult, StageCost, simulate
 from partition.stage_cost import StageChoice, StageCosts, choose_stage, max_in_flight
 
 
@@ -109,8 +109,27 @@ def evaluate_cuts(
         )
 
     allreduce = allreduce_s(costs, st, cuts)
-    res = simulate(sched, stage_costs, transfer, allreduce_s=allreduce)
+    res = simulate(
+        sched,
+        stage_costs,
+        transfer,
+        allreduce_s=allreduce,
+        quotas=rank_quotas(cluster, st),
+        sends=cfg.sends,
+    )
     return Evaluation(res, choices, allreduce)
+
+
+def rank_quotas(cluster: Cluster, st: Setting) -> list[CpuQuota | None] | None:
+    """Per rank, the CPU quota of its slowest replica's device (None: no quota)."""
+    out: list[CpuQuota | None] = []
+    for r in range(st.ranks):
+        devs = [cluster.devices[st.order[g * st.ranks + r]] for g in range(st.replicas)]
+        d = min(devs, key=lambda x: x.flops_per_s)
+        out.append(
+            None if d.cpu_limit is None else CpuQuota(d.cpu_limit, d.cpu_period_s)
+        )
+    return out if any(q is not None for q in out) else None
 
 
 def allreduce_s(costs: StageCosts, st: Setting, cuts: tuple[int, ...]) -> float:

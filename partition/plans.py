@@ -52,6 +52,9 @@ class PlannerConfig:
         update_s_per_byte: seconds of optimizer update per byte of trainable
             parameters at the profile's rate (0: not modelled); scaled by each
             device's speed. Each rank steps its own stages after its last action.
+        sends: how the simulator moves tensors between ranks
+            (``partition.simulate.SENDS``): ``"eager"`` (default) or
+            ``"rendezvous"``, as gloo moves them under torch's schedules.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -64,6 +67,7 @@ class PlannerConfig:
     candidates: int = 3
     action_overhead_s: float = 0.0
     update_s_per_byte: float = 0.0
+    sends: str = "eager"
 
 
 @dataclass(frozen=True)

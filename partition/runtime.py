@@ -125,8 +125,14 @@ def run_worker(
     save_grads: bool = False,
     threads: int = 1,
     dtype: str = "float32",
+    trace: bool = False,
 ) -> dict[str, Any]:
-    """The body of one process (``torch.distributed`` initialised from ``env://``)."""
+    """The body of one process (``torch.distributed`` initialised from ``env://``).
+
+    With ``trace``, the result's ``"trace"`` lists, for every step, each forward and
+    backward action this rank ran: ``[kind, stage, micro-batch, start s, end s, CPU s]``
+    with times from the step's start and the CPU seconds of this thread (what the
+    simulator's per-action times are compared against; see docs/partition.md)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -187,6 +193,11 @@ def run_worker(
                 mod, s.stage_index, plan.num_stages, torch.device("cpu"), group=pp_group
             )
         )
+    actions: list[list[Any]] = []  # this step's trace (trace=True)
+    step_t0 = [0.0]
+    if trace:
+        for st in stages:
+            _trace_actions(st, actions, step_t0)
     cls = get_schedule_class(plan.schedule_name)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -215,6 +226,7 @@ def run_worker(
     cpu_times: list[float] = []  # this process's CPU seconds per step (all threads)
     sys_times: list[float] = []  # of which in the kernel (page faults, sockets)
     grads: dict[str, torch.Tensor] = {}
+    traces: list[list[list[Any]]] = []
     for step in range(steps):
         x, y = next(batches)
         x, y = (
@@ -225,6 +237,8 @@ def run_worker(
             x = x.to(dt)
         dist.barrier()
         t0, c0 = time.perf_counter(), _cpu()
+        step_t0[0] = t0
+        actions.clear()
         mb_losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if last:
@@ -251,6 +265,8 @@ def run_worker(
         for b in built:
             b.end_step()  # this step's offloaded activations are no longer needed
         times.append(time.perf_counter() - t0)
+        if trace:
+            traces.append(list(actions) + [["step", -1, -1, 0.0, times[-1], 0.0]])
         c1 = _cpu()
         cpu_times.append(c1[0] + c1[1] - c0[0] - c0[1])
         sys_times.append(c1[1] - c0[1])
@@ -277,6 +293,8 @@ def run_worker(
         "cpu_sys_s": statistics.median(sys_times[1:] or sys_times),
         "thread_cpu_s": thread_cpu,
     }
+    if trace:
+        result["trace"] = traces
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if save_grads:
         from safetensors.torch import save_file
@@ -288,6 +306,33 @@ def run_worker(
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _trace_actions(stage: Any, actions: list[list[Any]], t0: list[float]) -> None:
+    """Wrap ``stage``'s forward and backward of one micro-batch so each call appends
+    ``[kind, stage index, micro-batch, start, end, thread CPU s]`` to ``actions``
+    (times relative to ``t0[0]``, the step's start)."""
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        inner = getattr(stage, name)
+
+        def timed(
+            mb: int, *args: Any, _f: Any = inner, _k: str = kind, **kw: Any
+        ) -> Any:
+            a, c = time.perf_counter(), time.thread_time()
+            r = _f(mb, *args, **kw)
+            actions.append(
+                [
+                    _k,
+                    stage.stage_index,
+                    mb,
+                    a - t0[0],
+                    time.perf_counter() - t0[0],
+                    time.thread_time() - c,
+                ]
+            )
+            return r
+
+        setattr(stage, name, timed)
 
 
 def _any_model_batches(wl: Any, steps: int) -> Any:
@@ -340,8 +385,11 @@ def launch(
     dtype: str = "float32",
     timeout_s: float = 600.0,
     port: int | None = None,
+    trace: bool = False,
 ) -> dict[str, Any]:
     """Run ``plan`` with ``torchrun --standalone`` on this machine; wait; collect.
+
+    ``trace``: every rank's result lists its actions per step (``run_worker``).
 
     Returns:
         ``{"losses": [...], "step_s": slowest rank's median, "ranks": [...]}``.
@@ -378,6 +426,7 @@ def launch(
             save_grads,
             threads,
             dtype,
+            trace,
         ),
     ]
     env = child_env()
@@ -432,6 +481,7 @@ def _worker_args(
     save_grads: bool,
     threads: int,
     dtype: str,
+    trace: bool = False,
 ) -> list[str]:
     args = [
         f"--plan={plan_file}",
@@ -449,6 +499,8 @@ def _worker_args(
         args.append(f"--seq={seq_len}")
     if save_grads:
         args.append("--save-grads")
+    if trace:
+        args.append("--trace")
     return args
 
 
@@ -466,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--save-grads", action="store_true")
+    parser.add_argument("--trace", action="store_true")
     a = parser.parse_args(argv)
     plan = PartitionPlan.from_dict(json.loads(Path(a.plan).read_text()))
     run_worker(
@@ -480,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         save_grads=a.save_grads,
         threads=a.threads,
         dtype=a.dtype,
+        trace=a.trace,
     )
     return 0
 

@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,67 @@ class StageCost:
     input_grad_share: float = 0.5
     weight_grad_bytes: int | None = None
     update_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """A CPU quota on a rank's host (cgroup ``cpu.max``, a container's CPU limit).
+
+    The rank may use ``share * period_s`` seconds of CPU in each period, at full
+    speed, and waits for the next period once that is spent; what it leaves unused
+    in a period is lost. A stage's seconds (``StageCost``) are at the host's
+    sustained rate under the quota, so an action of ``d`` seconds needs
+    ``d * share`` seconds of CPU. Periods start at time 0 on every rank.
+
+    Attributes:
+        share: cores granted per period (>= 1: a one-thread rank is never held).
+        period_s: the period, seconds.
+    """
+
+    share: float
+    period_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (self.share > 0 and self.period_s > 0):
+            raise ValueError(
+                f"a CPU quota needs share > 0 and period_s > 0, got {self.share!r} "
+                f"and {self.period_s!r}"
+            )
+
+
+class _Paced:
+    """One rank's use of its ``CpuQuota`` as the simulation runs its actions in
+    time order."""
+
+    def __init__(self, quota: CpuQuota) -> None:
+        self.share = quota.share
+        self.period = quota.period_s
+        self.budget = quota.share * quota.period_s
+        self.k = -1  # the period whose budget ``used`` counts
+        self.used = 0.0
+
+    def finish(self, start: float, seconds: float) -> float:
+        """When an action of ``seconds`` at the sustained rate, started at ``start``,
+        ends under the quota."""
+        if self.share >= 1.0 or seconds <= 0:
+            return start + seconds
+        t, work = start, seconds * self.share
+        k = int(t // self.period)
+        if (k + 1) * self.period <= t:  # t // period rounds down across a boundary
+            k += 1
+        eps = 1e-12 * (1.0 + t)
+        while work > eps:
+            if k != self.k:
+                self.k, self.used = k, 0.0
+            run = min(work, self.budget - self.used, (k + 1) * self.period - t)
+            if run > eps:
+                t += run
+                work -= run
+                self.used += run
+            if work > eps:  # the quota or the period is spent: the next period
+                k += 1
+                t = max(t, k * self.period)
+        return t
 
 
 @dataclass(frozen=True)
@@ -95,6 +156,9 @@ class SimResult:
     allreduce_s: float = 0.0
 
 
+SENDS = ("eager", "rendezvous")
+"""How the simulator moves tensors between ranks (``simulate(sends=...)``)."""
+
 TransferFn = Callable[[int, int, int], float]
 """``transfer(src_rank, dst_rank, nbytes)``: seconds to move a tensor between ranks."""
 
@@ -117,6 +181,8 @@ def simulate(
     transfer: TransferFn | None = None,
     *,
     allreduce_s: float = 0.0,
+    quotas: Sequence[CpuQuota | None] | None = None,
+    sends: str = "eager",
 ) -> SimResult:
     """Run ``schedule`` in simulated time.
 
@@ -125,6 +191,13 @@ def simulate(
         costs: one ``StageCost`` per stage.
         transfer: seconds to move ``nbytes`` from one rank to another (default: free).
         allreduce_s: seconds of data-parallel gradient reduction after the last action.
+        quotas: per rank, a ``CpuQuota`` that paces its computing actions and its
+            optimizer update, or None (the rank computes at its sustained rate).
+        sends: when a tensor crossing ranks moves (without explicit SEND/RECV
+            actions). ``"eager"``: as soon as it is made. ``"rendezvous"``: once the
+            receiving rank has also reached the action that needs it (gloo's TCP
+            transport moves a message only after the receiver posts its receive;
+            torch's schedules post a receive when the rank's previous action ends).
 
     Raises:
         ValueError: the schedule deadlocks or costs do not match its stages.
@@ -132,6 +205,13 @@ def simulate(
     s = schedule
     if len(costs) != s.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {s.num_stages} stages")
+    if sends not in SENDS:
+        raise ValueError(f"sends must be one of {SENDS}, got {sends!r}")
+    if quotas is not None and len(quotas) != len(s.ranks):
+        raise ValueError(f"{len(quotas)} CPU quotas for {len(s.ranks)} ranks")
+    paced = [
+        None if q is None else _Paced(q) for q in (quotas or [None] * len(s.ranks))
+    ]
     explicit = any(a.kind.startswith(("SEND", "RECV")) for r in s.ranks for a in r)
     finish: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(s.ranks)
@@ -140,20 +220,23 @@ def simulate(
     events: list[Event] = []
     busy = [0.0] * len(s.ranks)
 
-    def arrival(dep: tuple[str, int, int], st: int) -> float:
-        """When what ``dep`` produced is usable on stage ``st``'s rank."""
+    def arrival(dep: tuple[str, int, int], st: int, posted: float) -> float:
+        """When what ``dep`` produced is usable on stage ``st``'s rank, whose
+        receive is posted at ``posted``."""
         t = finish[dep]
         kind, src_stage, _ = dep
-        if explicit or kind not in ("F", "G") or transfer is None:
+        if explicit or kind not in ("F", "G"):
             return t
         a, b = s.stage_ranks[src_stage], s.stage_ranks[st]
         if a == b:
             return t
+        start = t if sends == "eager" else max(t, posted)
+        if transfer is None:
+            return start
         nbytes = costs[src_stage if kind == "F" else st].output_bytes
-        start = max(t, link_free.get((a, b), 0.0))
+        start = max(start, link_free.get((a, b), 0.0))
         end = start + transfer(a, b, nbytes)
         link_free[(a, b)] = end
-        finish[dep] = t  # unchanged; arrival is per consumer
         return end
 
     arrived: dict[tuple[tuple[str, int, int], int], float] = {}
@@ -169,11 +252,11 @@ def simulate(
                 deps = action_deps(s, a, explicit)
                 if not all(d in finish for d in deps):
                     break
-                ready = free[r]
+                ready = free[r]  # also when ``a``'s receives are posted
                 for d in deps:
                     key = (d, a.stage)
                     if key not in arrived:
-                        arrived[key] = arrival(d, a.stage)
+                        arrived[key] = arrival(d, a.stage, free[r])
                     ready = max(ready, arrived[key])
                 c = costs[a.stage]
                 dur = _duration(a, c)
@@ -181,12 +264,16 @@ def simulate(
                     peer = a.stage + (1 if a.kind == "SEND_F" else -1)
                     dur = transfer(r, s.stage_ranks[peer], c.output_bytes)
                 assert a.microbatch is not None
+                pr = paced[r]
+                end = ready + dur
+                if pr is not None and a.kind in ("F", "B", "I", "W"):
+                    end = pr.finish(ready, dur)
                 events.append(
-                    Event(r, str(a), a.stage, a.kind, a.microbatch, ready, ready + dur)
+                    Event(r, str(a), a.stage, a.kind, a.microbatch, ready, end)
                 )
-                free[r] = ready + dur
+                free[r] = end
                 if a.kind in ("F", "B", "I", "W"):
-                    busy[r] += dur
+                    busy[r] += end - ready
                 for key2 in action_key(a):
                     finish[key2] = free[r]
                 pos[r] += 1
@@ -205,9 +292,13 @@ def simulate(
     updates = [0.0] * len(s.ranks)
     for st_i, r in enumerate(s.stage_ranks):
         updates[r] += costs[st_i].update_s
-    step = max(
-        [step] + [free[r] + updates[r] for r in range(len(s.ranks)) if updates[r]]
-    )
+    done = [
+        free[r] + updates[r]
+        if paced[r] is None
+        else paced[r].finish(free[r], updates[r])  # type: ignore[union-attr]
+        for r in range(len(s.ranks))
+    ]
+    step = max([step] + [done[r] for r in range(len(s.ranks)) if updates[r]])
     ranks = len(s.ranks)
     total_busy = sum(busy)
     stage_peak, in_flight, rank_peak = _memory(s, costs, events)

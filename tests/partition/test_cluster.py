@@ -83,11 +83,54 @@ def test_hosts_expand_to_devices_and_links_resolve():
             r"hosts\[0\].devices must be an integer >= 1, got 0",
         ),
         ({"name": "a", "memory": "1GB", "compute": 1e9, "gpu": 1}, "unknown field"),
+        (
+            {"name": "a", "memory": "1GB", "compute": 1e9, "cpu_limit": 0},
+            r"hosts\[0\].cpu_limit must be a positive number of cores, got 0",
+        ),
+        (
+            {"name": "a", "memory": "1GB", "compute": 1e9, "cpu_limit": "half"},
+            r"hosts\[0\].cpu_limit must be a positive number of cores, got 'half'",
+        ),
+        (
+            {"name": "a", "memory": "1GB", "compute": 1e9, "cpu_period": "10ms"},
+            r"hosts\[0\] \(a\) has cpu_period but no cpu_limit",
+        ),
+        (
+            {
+                "name": "a",
+                "memory": "1GB",
+                "compute": 1e9,
+                "cpu_limit": 0.5,
+                "cpu_period": "0ms",
+            },
+            r"hosts\[0\].cpu_period must be > 0, got '0ms'",
+        ),
     ],
 )
 def test_bad_hosts_name_field_and_value(host, match):
     with pytest.raises(ClusterError, match=match):
         Cluster.from_dict({"hosts": [host]})
+
+
+def test_cpu_limit_and_period_are_read():
+    c = Cluster.from_dict(
+        {
+            "hosts": [
+                {
+                    "name": "a",
+                    "devices": 2,
+                    "memory": "1GB",
+                    "compute": 1e9,
+                    "cpu_limit": 0.25,
+                    "cpu_period": "10ms",
+                },
+                {"name": "b", "memory": "1GB", "compute": 1e9, "cpu_limit": 2},
+                {"name": "c", "memory": "1GB", "compute": 1e9},
+            ]
+        }
+    )
+    got = [(d.cpu_limit, d.cpu_period_s) for d in c.devices]
+    assert got == [(0.25, pytest.approx(0.01))] * 2 + [(2.0, 0.1), (None, 0.1)]
 
 
 def test_link_to_unknown_host_is_refused():

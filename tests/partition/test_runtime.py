@@ -15,6 +15,7 @@ from memory.blocks import as_blocks
 from memory.chain_profile import profile_blocks
 from partition.cluster import Cluster
 from partition.evaluate import even_split, fixed_plan
+from partition.pipeline import build_schedule
 from partition.runtime import launch, stage_module
 from workloads import get_workload
 
@@ -150,8 +151,16 @@ def _check(out, plan, workload, steps, ref):
     return losses
 
 
-def _run(tmp_path, plan, workload, steps=2):
-    res = launch(plan, workload, tmp_path, steps=steps, save_grads=True, timeout_s=300)
+def _run(tmp_path, plan, workload, steps=2, trace=False):
+    res = launch(
+        plan,
+        workload,
+        tmp_path,
+        steps=steps,
+        save_grads=True,
+        timeout_s=300,
+        trace=trace,
+    )
     ref = _reference(workload, steps)
     _check(tmp_path, plan, workload, steps, ref)
     assert res["losses"] == pytest.approx(ref[0], rel=1e-5)
@@ -163,11 +172,27 @@ def _run(tmp_path, plan, workload, steps=2):
     "schedule", [pytest.param("GPipe", marks=pytest.mark.slow), "1F1B"]
 )
 def test_two_processes_match_one(tmp_path, schedule):
-    _run(
-        tmp_path,
-        _plan("gpt-tiny", 2, schedule, m=2, recompute=schedule == "1F1B"),
-        "gpt-tiny",
-    )
+    plan = _plan("gpt-tiny", 2, schedule, m=2, recompute=schedule == "1F1B")
+    res = _run(tmp_path, plan, "gpt-tiny", trace=True)
+    # the action trace: per rank and step, the schedule's forwards and backwards in
+    # its order, each inside the step, CPU time within wall time
+    sched = build_schedule(schedule, 2, 2)
+    for r in res["ranks"]:
+        want = [
+            (a.kind, a.stage, a.microbatch)
+            for a in sched.ranks[r["rank"]]
+            if a.kind in ("F", "B")
+        ]
+        assert len(r["trace"]) == 2
+        for step in r["trace"]:
+            *acts, (kind, _, _, start, step_s, _) = step
+            assert kind == "step" and start == 0.0
+            assert [(a[0], a[1], a[2]) for a in acts] == want
+            prev = 0.0
+            for _, _, _, a, b, cpu in acts:
+                assert prev <= a <= b <= step_s
+                assert 0.0 <= cpu <= (b - a) + 2e-3
+                prev = b
 
 
 @pytest.mark.distributed

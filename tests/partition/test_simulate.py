@@ -6,7 +6,7 @@ import pytest
 
 from partition.pipeline import SCHEDULES, build_schedule
 from partition.schedule import Action, Schedule, ScheduleError, format, validate
-from partition.simulate import StageCost, simulate, timeline_png
+from partition.simulate import CpuQuota, StageCost, _Paced, simulate, timeline_png
 
 
 @pytest.mark.parametrize("text", ["2F0", "1B3", "1I3", "0W12", "1SEND_F0", "2RECV_B3"])
@@ -161,6 +161,66 @@ def test_optimizer_updates_end_each_ranks_step():
     assert simulate(build_schedule("1F1B", p, m), late).step_s == pytest.approx(
         end_last + 9.0
     )
+
+
+def test_cpu_quota_runs_bursts_at_full_speed_then_waits():
+    """share 0.25, period 10 ms: 2.5 ms of CPU per period. An action of d seconds
+    at the sustained rate needs d * 0.25 of CPU."""
+    p = _Paced(CpuQuota(0.25, 0.01))
+    # 4 ms at the sustained rate = 1 ms of CPU: fits in period 0, full speed
+    assert p.finish(0.0, 0.004) == pytest.approx(0.001)
+    # 12 ms = 3 ms of CPU: 1.5 ms left in period 0, then 1.5 ms from t = 10 ms
+    assert p.finish(0.001, 0.012) == pytest.approx(0.0115)
+    # period 1 has 1 ms left; 8 ms = 2 ms of CPU: 1 ms now, 1 ms from t = 20 ms
+    assert p.finish(0.0115, 0.008) == pytest.approx(0.021)
+    # started at 29.5 ms: the period ends after 0.5 ms of CPU, then period 3
+    assert p.finish(0.0295, 0.004) == pytest.approx(0.0305)
+    # unused quota is lost; a long action averages to the sustained rate
+    q = _Paced(CpuQuota(0.25, 0.01))
+    assert q.finish(0.0, 1.0) == pytest.approx(0.9925)  # 100 periods of 2.5 ms
+    # a quota of a core or more never holds a one-thread rank
+    assert _Paced(CpuQuota(1.5, 0.01)).finish(0.3, 0.2) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="share > 0"):
+        CpuQuota(0.0)
+
+
+def test_quotas_pace_the_ranks_they_are_given():
+    """Two stages, GPipe, m = 2; rank 1 under a quota of 0.5 per 10 ms. Its forwards
+    (10 ms sustained = 5 ms of CPU) each fit one period's burst."""
+    costs = [StageCost(0.010, 0.020)] * 2
+    sched = build_schedule("GPipe", 2, 2)
+    plain = simulate(sched, costs)
+    paced = simulate(sched, costs, quotas=[None, CpuQuota(0.5, 0.01)])
+    ev = {(e.rank, e.kind, e.microbatch): (e.start_s, e.end_s) for e in paced.events}
+    assert ev[(0, "F", 0)] == pytest.approx((0.0, 0.010))  # rank 0 unpaced
+    assert ev[(1, "F", 0)] == pytest.approx((0.010, 0.015))  # 5 ms burst
+    assert ev[(1, "F", 1)] == pytest.approx((0.020, 0.025))  # next period's
+    assert paced.step_s < plain.step_s
+    with pytest.raises(ValueError, match="1 CPU quotas for 2 ranks"):
+        simulate(sched, costs, quotas=[None])
+
+
+def test_rendezvous_sends_wait_for_the_receiver():
+    """GPipe, 2 stages, m = 2, transfers of 0.5 s. Eager: stage 1's second forward
+    input moves as soon as it is made. Rendezvous: stage 1 posts that receive only
+    when its first forward ends, so the transfer starts then."""
+    costs = [StageCost(1.0, 1.0, output_bytes=1), StageCost(2.0, 1.0)]
+    sched = build_schedule("GPipe", 2, 2)
+
+    def link(a, b, n):
+        return 0.5
+
+    def starts(sends):
+        res = simulate(sched, costs, link, sends=sends)
+        return {(e.rank, e.kind, e.microbatch): e.start_s for e in res.events}
+
+    eager, rdv = starts("eager"), starts("rendezvous")
+    # F0 on stage 0 ends at 1, arrives at 1.5; F1 ends at 2
+    assert eager[(1, "F", 0)] == rdv[(1, "F", 0)] == pytest.approx(1.5)
+    assert eager[(1, "F", 1)] == pytest.approx(3.5)  # moved 2-2.5, rank free 3.5
+    assert rdv[(1, "F", 1)] == pytest.approx(4.0)  # posted at 3.5, arrives 4.0
+    with pytest.raises(ValueError, match="sends must be one of"):
+        simulate(sched, costs, sends="lazy")
 
 
 def test_timeline_png(tmp_path):
