@@ -325,6 +325,10 @@ def run_command(
     timeout: Annotated[
         int, typer.Option(min=1, help="seconds before the run is killed")
     ] = 900,
+    device: Annotated[
+        str,
+        typer.Option(help="cpu (gloo) or cuda (NCCL, one GPU per process)"),
+    ] = "cpu",
     out: Annotated[
         str,
         typer.Option(
@@ -370,8 +374,15 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.partition_command == "simulate":
         output_file("--out", args.out, "timeline.png")
-    elif args.partition_command == "run" and args.out:
-        output_dir("--out", args.out)
+    elif args.partition_command == "run":
+        if args.out:
+            output_dir("--out", args.out)
+        from partition.runtime import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as e:
+            raise ValueError(f"--device {e}") from None
     cluster = load_cluster(args.cluster)
     from partition.pipeline import SCHEDULES
     from partition.planner import plan_partition
@@ -415,6 +426,7 @@ def _run(args: argparse.Namespace) -> int:
             batch_size=args.batch or None,
             seq_len=args.seq or None,
             timeout_s=args.timeout,
+            device=args.device,
         )
         print(
             f"losses {' '.join(f'{v:.4f}' for v in res['losses'])}; step "

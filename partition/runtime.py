@@ -18,6 +18,10 @@ or per process with torch's ``env://`` variables (``MASTER_ADDR``, ``MASTER_PORT
 
     python -m partition.runtime worker --plan plan.json --workload gpt-tiny --out DIR
 
+``--device cuda`` runs each process on the GPU of its ``LOCAL_RANK`` with NCCL
+(``launch(device="cuda")``, ``fleetfit partition run --device cuda``); the default is
+CPU with gloo.
+
 Each rank writes ``rank{r}.json`` (losses, step times) and, with ``--save-grads``,
 ``grads{r}.safetensors`` (the first step's gradients of its own parameters, full names)
 into ``--out``.
@@ -126,8 +130,12 @@ def run_worker(
     threads: int = 1,
     dtype: str = "float32",
     trace: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The body of one process (``torch.distributed`` initialised from ``env://``).
+
+    ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; each process takes the GPU of
+    its ``LOCAL_RANK``).
 
     With ``trace``, the result's ``"trace"`` lists, for every step, each forward and
     backward action this rank ran: ``[kind, stage, micro-batch, start s, end s, CPU s]``
@@ -143,13 +151,17 @@ def run_worker(
     from workloads import get_workload
 
     torch.set_num_threads(threads)
+    dev = check_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
     if plan.schedule_name == "local":
         raise ValueError(
             "a one-device plan runs with partition.local (fleetfit memory run), not "
             "torch.distributed"
         )
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     p, d = plan.num_ranks, plan.num_replicas
     if world != p * d:
@@ -187,11 +199,10 @@ def run_worker(
         else:
             rec = {b.name for b in s.memory.blocks if b.activations != "keep"}
             mod = stage_module(model, list(s.blocks), rec)
+        mod.to(dev)
         params += list(mod.parameters())
         stages.append(
-            PipelineStage(
-                mod, s.stage_index, plan.num_stages, torch.device("cpu"), group=pp_group
-            )
+            PipelineStage(mod, s.stage_index, plan.num_stages, dev, group=pp_group)
         )
     actions: list[list[Any]] = []  # this step's trace (trace=True)
     step_t0 = [0.0]
@@ -235,6 +246,7 @@ def run_worker(
         )
         if x.is_floating_point():
             x = x.to(dt)
+        x, y = x.to(dev), y.to(dev)
         dist.barrier()
         t0, c0 = time.perf_counter(), _cpu()
         step_t0[0] = t0
@@ -258,12 +270,14 @@ def run_worker(
             for s_idx, st in enumerate(stages):
                 for name, prm in st.submod.named_parameters():
                     if prm.grad is not None:
-                        grads[name] = prm.grad.detach().clone()
+                        grads[name] = prm.grad.detach().cpu().clone()
                 del s_idx
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for b in built:
             b.end_step()  # this step's offloaded activations are no longer needed
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         if trace:
             traces.append(list(actions) + [["step", -1, -1, 0.0, times[-1], 0.0]])
@@ -271,7 +285,7 @@ def run_worker(
         cpu_times.append(c1[0] + c1[1] - c0[0] - c0[1])
         sys_times.append(c1[1] - c0[1])
         # the step's loss: mean over micro-batches (and replicas), sent to every rank
-        value = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64, device=dev)
         if last and mb_losses:
             value[0] = float(
                 torch.stack([v.detach().double() for v in mb_losses]).mean()
@@ -295,6 +309,8 @@ def run_worker(
     }
     if trace:
         result["trace"] = traces
+    if dev.type == "cuda":
+        result["max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if save_grads:
         from safetensors.torch import save_file
@@ -306,6 +322,18 @@ def run_worker(
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def check_device(device: str) -> torch.device:
+    """``"cpu"`` or ``"cuda"`` as a ``torch.device``; a clear error otherwise."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: choose cpu (gloo) or cuda (NCCL)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device cuda: this torch has no usable CUDA GPU "
+            f"(torch {torch.__version__}); use device cpu"
+        )
+    return torch.device(device)
 
 
 def _trace_actions(stage: Any, actions: list[list[Any]], t0: list[float]) -> None:
@@ -386,10 +414,13 @@ def launch(
     timeout_s: float = 600.0,
     port: int | None = None,
     trace: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run ``plan`` with ``torchrun --standalone`` on this machine; wait; collect.
 
     ``trace``: every rank's result lists its actions per step (``run_worker``).
+    ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per process: the plan
+    needs ranks x replicas GPUs on this machine).
 
     Returns:
         ``{"losses": [...], "step_s": slowest rank's median, "ranks": [...]}``.
@@ -400,11 +431,16 @@ def launch(
     """
     from workloads.registry import child_env
 
+    nproc = plan.num_ranks * plan.num_replicas
+    if check_device(device).type == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(
+            f"the plan runs {nproc} processes, one GPU each; this machine has "
+            f"{torch.cuda.device_count()}; use fewer ranks or replicas, or device cpu"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plan_file = out / "plan.json"
     plan_file.write_text(plan.to_json())
-    nproc = plan.num_ranks * plan.num_replicas
     cmd = [
         sys.executable,
         "-m",
@@ -427,6 +463,7 @@ def launch(
             threads,
             dtype,
             trace,
+            device,
         ),
     ]
     env = child_env()
@@ -482,6 +519,7 @@ def _worker_args(
     threads: int,
     dtype: str,
     trace: bool = False,
+    device: str = "cpu",
 ) -> list[str]:
     args = [
         f"--plan={plan_file}",
@@ -501,6 +539,8 @@ def _worker_args(
         args.append("--save-grads")
     if trace:
         args.append("--trace")
+    if device != "cpu":
+        args.append(f"--device={device}")
     return args
 
 
@@ -519,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--save-grads", action="store_true")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = parser.parse_args(argv)
     plan = PartitionPlan.from_dict(json.loads(Path(a.plan).read_text()))
     run_worker(
@@ -534,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=a.threads,
         dtype=a.dtype,
         trace=a.trace,
+        device=a.device,
     )
     return 0
 

@@ -199,3 +199,16 @@ def test_memory_offload_dir_cannot_be_made(capsys):
 def test_export_out_not_writable(tmp_path, capsys):
     args = ["export", "--checkpoint", str(tmp_path / "m.safetensors")]
     refused(capsys, [*args, "--out", "/proc/x.onnx"], "--out", "/proc/x.onnx")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda"])
+def test_partition_run_device_refused(capsys, no_start, device):
+    """An unknown device, and cuda where this torch has no GPU (the CPU build here):
+    one line, before any planning or process."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cluster = "partition/clusters/unequal-4.toml"
+    argv = ["partition", "run", "--cluster", cluster, "--device", device]
+    refused(capsys, argv, "--device", device)

@@ -151,7 +151,7 @@ def _check(out, plan, workload, steps, ref):
     return losses
 
 
-def _run(tmp_path, plan, workload, steps=2, trace=False):
+def _run(tmp_path, plan, workload, steps=2, trace=False, device="cpu"):
     res = launch(
         plan,
         workload,
@@ -160,6 +160,7 @@ def _run(tmp_path, plan, workload, steps=2, trace=False):
         save_grads=True,
         timeout_s=300,
         trace=trace,
+        device=device,
     )
     ref = _reference(workload, steps)
     _check(tmp_path, plan, workload, steps, ref)
@@ -193,6 +194,25 @@ def test_two_processes_match_one(tmp_path, schedule):
                 assert prev <= a <= b <= step_s
                 assert 0.0 <= cpu <= (b - a) + 2e-3
                 prev = b
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_over_nccl_match_one_process(tmp_path):
+    """The same plan on CUDA with NCCL (one GPU per rank): losses and gradients of
+    one CPU process within the float tolerance of _check."""
+    plan = _plan("gpt-tiny", 2, "1F1B", m=2, recompute=True)
+    res = _run(tmp_path, plan, "gpt-tiny", device="cuda")
+    assert all(r["max_memory_allocated"] > 0 for r in res["ranks"])
+
+
+def test_cuda_without_a_gpu_is_refused_before_starting(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    plan = _plan("gpt-tiny", 2, "1F1B", m=2)
+    with pytest.raises(ValueError, match="device cuda: this torch has no usable CUDA"):
+        launch(plan, "gpt-tiny", tmp_path, device="cuda")
+    assert not (tmp_path / "torchrun.log").exists()
 
 
 @pytest.mark.distributed
