@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,13 @@ def wait_healthy(port: int, timeout_s: float = 60) -> None:
     raise TimeoutError(f"SuperLink on port {port} not healthy after {timeout_s} s")
 
 
-HF = (
-    "examples.transformers_gpt2:build"  # a transformers GPT-2 with each node's own data
-)
-
-
-@pytest.mark.parametrize("workload", ["digits-cnn", HF])
-def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
-    if workload == HF:
-        pytest.importorskip("transformers")
+def flwr_run_loopback(
+    tmp_path: Path, run_config: str, node_configs: Sequence[str], timeout_s: float = 420
+) -> subprocess.CompletedProcess[str]:
+    """A SuperLink and one SuperNode per entry of ``node_configs`` (its
+    ``--node-config``) on loopback, then ``flwr run . loopback --stream`` with
+    ``run_config`` to its end. Every process started is stopped before this returns;
+    the run must succeed. Logs go to ``tmp_path``."""
     env = dict(
         os.environ,
         FLWR_TELEMETRY_ENABLED="0",
@@ -108,9 +107,7 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
             ],
             dict(env, FLWR_HOME=str(tmp_path / "link")),
         )
-        # node 1 of the transformers run: too small for the whole model
-        small = " memory-budget='113MiB' disk-budget='0'"
-        for i in range(2):
+        for i, node_config in enumerate(node_configs):
             procs.start(
                 f"supernode{i}",
                 [
@@ -123,9 +120,7 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
                     "--port",
                     str(free_port()),
                     "--node-config",
-                    f"partition-id={i} num-partitions=2"
-                    + (f" allow-workloads='{HF}'" if workload == HF else "")
-                    + (small if i and workload == HF else ""),
+                    node_config,
                 ],
                 dict(env, FLWR_HOME=str(tmp_path / f"node{i}")),
             )
@@ -135,12 +130,6 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
             f'address = "127.0.0.1:{port}"\ninsecure = true\n'
-        )
-        out = tmp_path / "run"
-        steps = 20 if workload == "digits-cnn" else 4
-        run_config = (
-            f"num-server-rounds=2 local-steps={steps} min-nodes=2 out='{out}' "
-            f"workload='{workload}'"
         )
         done = subprocess.run(
             [
@@ -156,22 +145,49 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=420,
+            timeout=timeout_s,
         )
-        assert done.returncode == 0, done.stdout + done.stderr
-        summary = json.loads((out / "summary.json").read_text())
-        assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
-        assert all(r["num_clients"] == 2 for r in summary["rounds"])
-        if workload == HF:  # random weights: perplexity ~256 on bytes
-            kinds = {a["kind"] for r in summary["rounds"] for a in r["assignments"]}
-            assert kinds == {"full", "part"}, kinds
-            assert summary["rounds"][-1]["perplexity"] < 100, summary["rounds"]
-        else:
-            assert summary["rounds"][-1]["accuracy"] > 0.5
-        assert (out / "model.safetensors").exists()
     finally:
         procs.stop()
     assert all(p.poll() is not None for p in procs.procs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+HF = (
+    "examples.transformers_gpt2:build"  # a transformers GPT-2 with each node's own data
+)
+
+
+@pytest.mark.parametrize("workload", ["digits-cnn", HF])
+def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
+    if workload == HF:
+        pytest.importorskip("transformers")
+    # node 1 of the transformers run: too small for the whole model
+    small = " memory-budget='113MiB' disk-budget='0'"
+    nodes = [
+        f"partition-id={i} num-partitions=2"
+        + (f" allow-workloads='{HF}'" if workload == HF else "")
+        + (small if i and workload == HF else "")
+        for i in range(2)
+    ]
+    out = tmp_path / "run"
+    steps = 20 if workload == "digits-cnn" else 4
+    run_config = (
+        f"num-server-rounds=2 local-steps={steps} min-nodes=2 out='{out}' "
+        f"workload='{workload}'"
+    )
+    done = flwr_run_loopback(tmp_path, run_config, nodes)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
+    assert all(r["num_clients"] == 2 for r in summary["rounds"])
+    if workload == HF:  # random weights: perplexity ~256 on bytes
+        kinds = {a["kind"] for r in summary["rounds"] for a in r["assignments"]}
+        assert kinds == {"full", "part"}, kinds
+        assert summary["rounds"][-1]["perplexity"] < 100, summary["rounds"]
+    else:
+        assert summary["rounds"][-1]["accuracy"] > 0.5
+    assert (out / "model.safetensors").exists()
 
 
 def test_flwr_run_local_simulation(tmp_path):
