@@ -6,6 +6,7 @@ Every process this test starts is stopped at the end, also when it fails.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -13,9 +14,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
+
+from memory.sizes import parse_bytes
+from server.persist import load_model
+from workloads import get_workload
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
@@ -75,15 +82,13 @@ def wait_healthy(port: int, timeout_s: float = 60) -> None:
     raise TimeoutError(f"SuperLink on port {port} not healthy after {timeout_s} s")
 
 
-HF = (
-    "examples.transformers_gpt2:build"  # a transformers GPT-2 with each node's own data
-)
-
-
-@pytest.mark.parametrize("workload", ["digits-cnn", HF])
-def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
-    if workload == HF:
-        pytest.importorskip("transformers")
+def flwr_run_loopback(
+    tmp_path: Path, run_config: str, node_configs: Sequence[str], timeout_s: float = 420
+) -> subprocess.CompletedProcess[str]:
+    """A SuperLink and one SuperNode per entry of ``node_configs`` (its
+    ``--node-config``) on loopback, then ``flwr run . loopback --stream`` with
+    ``run_config`` to its end. Every process started is stopped before this returns;
+    the run must succeed. Logs go to ``tmp_path``."""
     env = dict(
         os.environ,
         FLWR_TELEMETRY_ENABLED="0",
@@ -108,9 +113,7 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
             ],
             dict(env, FLWR_HOME=str(tmp_path / "link")),
         )
-        # node 1 of the transformers run: too small for the whole model
-        small = " memory-budget='113MiB' disk-budget='0'"
-        for i in range(2):
+        for i, node_config in enumerate(node_configs):
             procs.start(
                 f"supernode{i}",
                 [
@@ -123,9 +126,7 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
                     "--port",
                     str(free_port()),
                     "--node-config",
-                    f"partition-id={i} num-partitions=2"
-                    + (f" allow-workloads='{HF}'" if workload == HF else "")
-                    + (small if i and workload == HF else ""),
+                    node_config,
                 ],
                 dict(env, FLWR_HOME=str(tmp_path / f"node{i}")),
             )
@@ -135,12 +136,6 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
             f'address = "127.0.0.1:{port}"\ninsecure = true\n'
-        )
-        out = tmp_path / "run"
-        steps = 20 if workload == "digits-cnn" else 4
-        run_config = (
-            f"num-server-rounds=2 local-steps={steps} min-nodes=2 out='{out}' "
-            f"workload='{workload}'"
         )
         done = subprocess.run(
             [
@@ -156,22 +151,93 @@ def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=420,
+            timeout=timeout_s,
         )
-        assert done.returncode == 0, done.stdout + done.stderr
-        summary = json.loads((out / "summary.json").read_text())
-        assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
-        assert all(r["num_clients"] == 2 for r in summary["rounds"])
-        if workload == HF:  # random weights: perplexity ~256 on bytes
-            kinds = {a["kind"] for r in summary["rounds"] for a in r["assignments"]}
-            assert kinds == {"full", "part"}, kinds
-            assert summary["rounds"][-1]["perplexity"] < 100, summary["rounds"]
-        else:
-            assert summary["rounds"][-1]["accuracy"] > 0.5
-        assert (out / "model.safetensors").exists()
     finally:
         procs.stop()
     assert all(p.poll() is not None for p in procs.procs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+HF = (
+    "examples.transformers_gpt2:build"  # a transformers GPT-2 with each node's own data
+)
+
+
+@pytest.mark.parametrize("workload", ["digits-cnn", HF])
+def test_superlink_two_supernodes_flwr_run(tmp_path, workload):
+    if workload == HF:
+        pytest.importorskip("transformers")
+    # node 1 of the transformers run: too small for the whole model
+    small = " memory-budget='113MiB' disk-budget='0'"
+    nodes = [
+        f"partition-id={i} num-partitions=2"
+        + (f" allow-workloads='{HF}'" if workload == HF else "")
+        + (small if i and workload == HF else "")
+        for i in range(2)
+    ]
+    out = tmp_path / "run"
+    steps = 20 if workload == "digits-cnn" else 4
+    run_config = (
+        f"num-server-rounds=2 local-steps={steps} min-nodes=2 out='{out}' "
+        f"workload='{workload}'"
+    )
+    done = flwr_run_loopback(tmp_path, run_config, nodes)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2], done.stdout
+    assert all(r["num_clients"] == 2 for r in summary["rounds"])
+    if workload == HF:  # random weights: perplexity ~256 on bytes
+        kinds = {a["kind"] for r in summary["rounds"] for a in r["assignments"]}
+        assert kinds == {"full", "part"}, kinds
+        assert summary["rounds"][-1]["perplexity"] < 100, summary["rounds"]
+    else:
+        assert summary["rounds"][-1]["accuracy"] > 0.5
+    assert (out / "model.safetensors").exists()
+
+
+# gpt-tiny: embed, layers.0, layers.1, head; adapters on every layer's qkv and fc
+ADAPTED = {f"layers.{i}.{m}.weight" for i in (0, 1) for m in ("qkv", "fc")}
+
+
+def test_supernodes_train_adapters_inside_their_budgets(tmp_path):
+    """``adapters = "all"`` deployed: both SuperNodes train LoRA adapters (rank 4) in
+    a measured child, each peak inside the node's budget (one roomy, one near the
+    smallest adapter budget); the server merges their factors into the plain model,
+    so exactly the adapted weights move."""
+    pytest.importorskip("peft")
+    # the smallest adapter budget is 104.96 MiB (100 MiB of it the runtime reserve):
+    # at 105 MiB the plan recomputes layers.0 in 4 microbatches
+    budgets = ["300MiB", "105MiB"]
+    nodes = [
+        f"partition-id={i} num-partitions=2 memory-budget='{b}' disk-budget='0'"
+        for i, b in enumerate(budgets)
+    ]
+    out = tmp_path / "run"
+    run_config = (
+        "num-server-rounds=1 local-steps=3 lr=0.01 min-nodes=2 workload='gpt-tiny' "
+        "eval-windows=8 export-onnx='off' eval-only='off' adapters='all' "
+        f"lora-rank=4 lora-alpha=8.0 lora-targets='qkv,fc' out='{out}'"
+    )
+    done = flwr_run_loopback(tmp_path, run_config, nodes)
+    summary = json.loads((out / "summary.json").read_text())
+    (r,) = summary["rounds"]
+    assert r["round"] == 1 and r["num_clients"] == 2, done.stdout
+    for a in r["assignments"]:
+        assert a["status"] == "ok" and a["counted_examples"] > 0, a
+        assert a["kind"] == "adapter" and a["lora_rank"] == 4, a
+        assert a["adapter_start"] == 1, a  # layers.0: every layer adapted
+        assert a["budget_bytes"] == parse_bytes(budgets[a["partition_id"]]), a
+        assert a["peak_method"] == "child", a
+        assert 0 < a["measured_peak_bytes"] <= a["budget_bytes"], a
+    assert math.isfinite(r["loss"]) and math.isfinite(r["perplexity"]), r
+    model, meta = load_model(out / "model.safetensors")
+    assert meta["round"] == "1"
+    init = get_workload("gpt-tiny").make_model(0).state_dict()  # round 0's model
+    assert set(model) == set(init)  # a plain model: no adapter keys
+    assert all(bool(torch.isfinite(v).all()) for v in model.values())
+    changed = {k for k in init if not torch.equal(model[k], init[k])}
+    assert changed == ADAPTED, changed
 
 
 def test_flwr_run_local_simulation(tmp_path):
