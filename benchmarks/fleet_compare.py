@@ -24,6 +24,16 @@ vs simulated time, per class) go to ``--figures``.
     python benchmarks/fleet_compare.py                     # the documented benchmark
     python benchmarks/fleet_compare.py --rounds 3 --local-steps 5 --settings scratch
     python benchmarks/fleet_compare.py --smoke             # the machinery only (Ray)
+
+``--strategies`` takes any of ``simulations.compare.STRATEGIES``, among them
+fleetfit's adapter variants (issue 17 item 3: ``fleetfit`` full + part windows,
+``fleetfit-adapter`` full + adapters, ``adapters`` everywhere); ``--disk 0`` gives
+every device class no storage (no offload, no streaming), ``--tag`` names the run
+folder and plots apart from the issue 16 ones:
+
+    python benchmarks/fleet_compare.py --settings pretrained --second none \
+        --strategies fleetfit,fleetfit-adapter,adapters,exclude --disk 0 \
+        --tag adapters-nodisk --rounds 2 --local-steps 5 --pretrain-steps 100
 """
 
 from __future__ import annotations
@@ -47,11 +57,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
+from memory.sizes import parse_bytes  # noqa: E402
 from server.fedopt import SERVER_OPTS, ServerOptConfig  # noqa: E402
 from simulations.compare import STRATEGIES  # noqa: E402
 from simulations.fleet import Fleet, parse_fleet, shipped_fleet  # noqa: E402
 
 SETTINGS = ("pretrained", "scratch")
+DEFAULT_STRATEGIES = ("fleetfit", "exclude", "smallest-model", "heterofl", "fedrolex")
 FIGURES = ROOT / "docs" / "figures" / "fleet_compare"
 PLOTS = ("metric.png", "metric_time.png", "class_rounds.png")
 
@@ -64,7 +76,7 @@ class BenchConfig:
     second: str = "edge"  # the other shipped fleet ("" none)
     second_setting: str = "pretrained"  # its one setting
     settings: tuple[str, ...] = SETTINGS
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # any of compare.STRATEGIES
     rounds: int = 5  # rounds per comparison
     local_steps: int = 10  # optimizer steps per device per round
     pretrain_steps: int = 200  # AdamW steps of the [pretrain] table
@@ -75,6 +87,8 @@ class BenchConfig:
     lrs: tuple[tuple[str, float], ...] = ()  # chosen client lr per strategy
     sweep_rounds: int = 0  # > 0: run the lr sweep first, this many rounds
     client_measure: str = "inline"  # peaks in the client's process (quicker)
+    disk: str = ""  # every device class's disk budget ("0": none); "": the file's
+    tag: str = ""  # appended to each comparison's name: run folder and plot files
     out: str = ""
     figures: str = str(FIGURES)
     json: str = ""  # also write the results here
@@ -104,6 +118,18 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     ap.add_argument("--proximal-mu", type=float, default=d.proximal_mu)
     ap.add_argument("--lrs", default="", help="client lr per strategy: name=lr,...")
     ap.add_argument("--sweep-rounds", type=int, default=0)
+    ap.add_argument(
+        "--disk",
+        default="",
+        help="every device class's disk budget, e.g. 0 (no storage to offload or "
+        "stream to); default: the fleet file's",
+    )
+    ap.add_argument(
+        "--tag",
+        default="",
+        help="appended to each comparison's name (run folder, plot files), e.g. "
+        "adapters: phones-pretrained-adapters-metric.png",
+    )
     ap.add_argument(
         "--client-measure", default=d.client_measure, choices=("inline", "auto")
     )
@@ -158,6 +184,8 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         lrs=tuple(lrs),
         sweep_rounds=args.sweep_rounds,
         client_measure=args.client_measure,
+        disk=args.disk,
+        tag=args.tag,
         out=args.out,
         figures=args.figures,
         json=args.json or "",
@@ -178,13 +206,20 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         )
     if cfg.rounds < 1 or cfg.local_steps < 1 or cfg.pretrain_steps < 1:
         ap.error("--rounds, --local-steps and --pretrain-steps must be >= 1")
+    if cfg.disk:
+        try:
+            parse_bytes(cfg.disk, what="--disk", allow_zero=True)
+        except ValueError as e:
+            ap.error(str(e))
+    if cfg.tag and not cfg.tag.replace("-", "").replace("_", "").isalnum():
+        ap.error(f"--tag {cfg.tag!r}: letters, digits, '-' and '_' only")
     cfg.server_opt_config()
     return cfg
 
 
 def bench_fleet(cfg: BenchConfig, name: str, setting: str) -> Fleet:
-    """The shipped fleet ``name`` with the benchmark's rounds, steps, proximal term
-    and, for ``pretrained``, a ``[pretrain]`` table."""
+    """The shipped fleet ``name`` with the benchmark's rounds, steps, proximal term,
+    disk budget and, for ``pretrained``, a ``[pretrain]`` table."""
     path = shipped_fleet(name) if not Path(name).exists() else Path(name)
     data = tomllib.loads(path.read_text())
     data.pop("pretrain", None)
@@ -192,6 +227,9 @@ def bench_fleet(cfg: BenchConfig, name: str, setting: str) -> Fleet:
         data["pretrain"] = {"share": cfg.pretrain_share, "steps": cfg.pretrain_steps}
     if cfg.proximal_mu:
         data["proximal-mu"] = cfg.proximal_mu
+    if cfg.disk:
+        for c in data.get("classes", []):
+            c["disk"] = cfg.disk
     return parse_fleet(
         data,
         file=str(path),
@@ -246,6 +284,13 @@ def left_out(entries: dict[str, Any]) -> list[str]:
     ]
 
 
+def kinds(counts: Any) -> str:
+    """``{"full": 3, "part": 1}`` as ``full 3, part 1`` (``-``: none sampled)."""
+    if not isinstance(counts, dict) or not counts:
+        return "-"
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
 def _f(v: Any, spec: str = ".2f") -> str:
     return format(v, spec) if isinstance(v, int | float) else "-"
 
@@ -297,6 +342,11 @@ def tables(result: dict[str, Any]) -> tuple[str, list[tuple[str, bool]]]:
         lines.append(
             f"| {c}{'*' if c in out_cls else ''} | " + " | ".join(cells) + " |"
         )
+    lines += ["", "assignments per class, over all rounds (kind: count)", ""]
+    lines += ["| class | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for c in classes:
+        cells = [kinds(entries[n]["classes"][c].get("kinds")) for n in names]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     checks: list[tuple[str, bool]] = []
     if "fleetfit" in entries:
         ff = entries["fleetfit"]
@@ -368,7 +418,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, setting in jobs:
         fleet = bench_fleet(cfg, name, setting)
-        stem = f"{fleet.name}-{setting}"
+        stem = f"{fleet.name}-{setting}" + (f"-{cfg.tag}" if cfg.tag else "")
         lrs = dict(cfg.lrs)
         table = None
         if cfg.sweep_rounds:
@@ -402,6 +452,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             f"{fleet.shape.local_steps} local steps, fraction {fleet.fraction_train}, "
             f"seed {fleet.shape.seed}, server {server_opt.name}, proximal-mu "
             f"{fleet.shape.proximal_mu:g}"
+            + (f", every device's disk {cfg.disk}" if cfg.disk else "")
             + (
                 f", pretrained {fleet.pretrain.steps} steps on a "
                 f"{fleet.pretrain.share:g} public share"
@@ -444,7 +495,9 @@ def merge(paths: list[str]) -> dict[str, Any]:
     return merged
 
 
-def report_merged(paths: list[str], out: str, figures: str, sweep: str) -> None:
+def report_merged(
+    paths: list[str], out: str, figures: str, sweep: str, tag: str = ""
+) -> None:
     """``--merge``: tables, report and plots of ``merge(paths)`` (and a sweep's
     table from ``sweep``, a benchmark ``--json`` file), nothing run."""
     from simulations.lr_sweep import format_sweep
@@ -467,13 +520,16 @@ def report_merged(paths: list[str], out: str, figures: str, sweep: str) -> None:
     write_report(dest, result)
     f = result["fleet"]
     stem = f"{f['name']}-{'pretrained' if f.get('pretrain') else 'scratch'}"
+    stem += f"-{tag}" if tag else ""
     print("\n".join(copy_plots(dest, figures, stem)))
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
     if cfg.merge:
-        report_merged(list(cfg.merge), cfg.out or ".", cfg.figures, cfg.sweep_from)
+        report_merged(
+            list(cfg.merge), cfg.out or ".", cfg.figures, cfg.sweep_from, cfg.tag
+        )
         return 0
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True

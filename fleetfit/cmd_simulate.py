@@ -75,8 +75,9 @@ def simulate_command(
         str | None,
         typer.Option(
             metavar="NAME",
-            help="with --fleet: fleetfit, exclude, smallest-model, heterofl or fedrolex "
-            "(default: fleetfit)",
+            help="with --fleet: fleetfit, exclude, smallest-model, heterofl, fedrolex, "
+            "fleetfit-adapter (LoRA where no whole-model plan fits) or adapters (LoRA "
+            "on every device) (default: fleetfit)",
             rich_help_panel="Fleet",
         ),
     ] = None,

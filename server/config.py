@@ -48,7 +48,8 @@ class AdapterConfig:
 
     mode: str = field(default="off", metadata={"key": "adapters"})
     #   [adapters] off | auto | all: auto gives a node that no whole-model plan fits
-    #   an adapter assignment before a part window; all gives every node one
+    #   an adapter assignment before a part window; all gives every node one. off:
+    #   the choice measured better (docs/simulations.md, "Adapters or part windows")
     rank: int = field(default=8, metadata={"key": "lora-rank"})
     #   [lora-rank] the factors' rank r
     alpha: float = field(default=16.0, metadata={"key": "lora-alpha"})

@@ -516,6 +516,9 @@ class Federation:
             if rec["message_bytes"] is None:  # a plain client: what was sent
                 sent = TrainReply.arrays(reply.content).values()
                 rec["message_bytes"] = sum(len(x.data) for x in sent)
+            # what the node sent: a sub-model, a window or adapter factors, before
+            # the server expands or merges it into the model's shapes
+            rec["up_bytes"] = sum(int(v.nbytes) for v in arrays.values())
             state = {k: torch.from_numpy(v) for k, v in arrays.items()}
             coverage = None
             if a.width is not None:  # back into the model's shapes, with masks
@@ -575,7 +578,7 @@ class Federation:
         for u in updates:
             a = assignments[u.node_id]
             down, up = self.cfg.fleet.links(max(u.partition_id, 0))
-            up_bytes = sum(v.numel() * v.element_size() for v in u.state.values())
+            up_bytes = reports[u.node_id]["up_bytes"]  # as sent, not as expanded
             step_s = self._sim_step_s(a, u.partition_id)
             t = device_time(
                 steps=a.local_steps,
@@ -585,7 +588,6 @@ class Federation:
                 downlink_bytes_per_s=down,
                 uplink_bytes_per_s=up,
             )
-            reports[u.node_id]["up_bytes"] = up_bytes
             reports[u.node_id]["sim_step_s"] = step_s
             reports[u.node_id]["sim_s"] = t.total_s
             times.append(t.total_s)

@@ -10,6 +10,11 @@
 - ``heterofl``, ``fedrolex``: each device trains the widest width-scaled sub-model
   whose plain step fits its budget, static (HeteroFL) or rolling (FedRolex) indices,
   averaged entry by entry (``server.submodel``, ``simulations.baselines``).
+- ``fleetfit-adapter``, ``adapters``: fleetfit with LoRA adapters (``VARIANTS``): a
+  whole-model plan where one fits, else adapters on a frozen base (``adapters =
+  auto``), or adapters on every device (``adapters = all``, the practitioner's
+  default for fine-tuning). Plain ``fleetfit`` gives the devices no whole-model plan
+  fits a ``part`` window (``adapters = off``).
 
 Example:
     >>> from simulations.compare import compare
@@ -35,17 +40,34 @@ from typing import Any
 
 from memory.sizes import format_bytes
 from server.class_metrics import class_metrics, class_test_items
-from server.config import ExportConfig, ServerConfig
+from server.config import AdapterConfig, ExportConfig, ServerConfig
 from server.fedopt import ServerOptConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
+from wire.flat import from_flat
 from workloads import Workload, get_workload
 from workloads.splits import split_indices
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("fleetfit", "exclude", "smallest-model", "heterofl", "fedrolex")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fleetfit": {"adapters": "off"},  # full where a plan fits, else a part window
+    "fleetfit-adapter": {"adapters": "auto"},  # full where a plan fits, else adapters
+    "adapters": {"adapters": "all"},  # adapters on every device
+}
+"""fleetfit and its variants: strategy name -> the run-config keys (``AdapterConfig``,
+server/config.py) it sets; each runs the server's ``strategy = fleetfit``."""
+STRATEGIES = (
+    "fleetfit",
+    "exclude",
+    "smallest-model",
+    "heterofl",
+    "fedrolex",
+    *(n for n in VARIANTS if n != "fleetfit"),
+)
 SUBMODEL_STRATEGIES = ("heterofl", "fedrolex")
+TRAINING_KINDS = ("full", "part", "adapter")
+"""The assignment kinds that train (``server.assign``); ``none`` does not."""
 SCALES = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 """The model sizes ``smallest-model`` tries, largest first (``NAME@SCALE``)."""
 
@@ -65,6 +87,21 @@ def check_strategies(names: Sequence[str]) -> list[str]:
     if not out:
         raise ValueError(f"name at least one strategy: {', '.join(STRATEGIES)}")
     return out
+
+
+def server_strategy(name: str) -> str:
+    """The run config's ``strategy`` of comparison strategy ``name``."""
+    if name in VARIANTS:
+        return "fleetfit"
+    return "exclude" if name == "smallest-model" else name
+
+
+def adapter_config(name: str) -> AdapterConfig:
+    """The run config's adapter settings of comparison strategy ``name`` (the
+    defaults, adapters off, for a strategy that is no fleetfit variant)."""
+    return from_flat(
+        AdapterConfig, VARIANTS.get(name, {}), what=f"strategy {name}", strict=True
+    )
 
 
 def base_workload(fleet: Fleet) -> Workload:
@@ -147,9 +184,11 @@ def settings_for(
         fraction_train=fleet.fraction_train,
         out=str(out),
         fleet=fleet.fleet_config(),
-        strategy="exclude" if strategy == "smallest-model" else strategy,
+        strategy=server_strategy(strategy),
+        adapters=adapter_config(strategy),
         export=ExportConfig(
-            onnx="off", eval_only="onnxruntime" if strategy == "fleetfit" else "off"
+            onnx="off",
+            eval_only="onnxruntime" if strategy in VARIANTS else "off",
         ),
         eval_windows=fleet.eval_windows,
         round_deadline_s=fleet.round_deadline_s,
@@ -316,7 +355,7 @@ def summarize(
     cls_of = list(fleet.partition_class)
     contributed_any: set[int] = set()
     per_class: dict[str, dict[str, Any]] = {
-        n: {"sampled": 0, "contributed": 0, "worst": None} for n in names
+        n: {"sampled": 0, "contributed": 0, "worst": None, "kinds": {}} for n in names
     }
     sampled_all = contributed_all = 0
     for r in summary["rounds"]:
@@ -327,7 +366,9 @@ def summarize(
             c = per_class[names[cls_of[pid]]]
             c["sampled"] += 1
             sampled_all += 1
-            if a.get("kind") in ("full", "part") and a.get("status") == "ok":
+            kind = str(a.get("kind"))
+            c["kinds"][kind] = c["kinds"].get(kind, 0) + 1
+            if kind in TRAINING_KINDS and a.get("status") == "ok":
                 c["contributed"] += 1
                 contributed_all += 1
                 contributed_any.add(pid)
@@ -348,6 +389,7 @@ def summarize(
             "worst_peak_over_budget": c["worst"],
             "metric": class_metrics.get(n),
             "devices": len(mine),
+            "kinds": c["kinds"],  # assignments by kind, over all rounds
         }
     values = [r[metric] for r in summary["rounds"] if r.get(metric) is not None]
     rounds = [  # the server's per-class metrics by class name, not index

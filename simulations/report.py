@@ -567,7 +567,7 @@ def plot_peaks(compare: dict[str, Any], path: Path) -> Path:
         _empty(ax, "no client has both a budget and a measured peak")
         return _save(fig, path)
     scale, unit = (2**30, "GiB") if max(everything) >= 2**30 else (2**20, "MiB")
-    markers = {"full": "o", "part": "^", "none": "x"}
+    markers = {"full": "o", "part": "^", "adapter": "D", "none": "x"}
     for name, ps in points.items():
         for kind in sorted({k for _, _, k in ps}):
             xs = [b / scale for b, _, k in ps if k == kind]

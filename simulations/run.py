@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.config import ExportConfig, FleetConfig, ServerConfig
+from server.config import AdapterConfig, ExportConfig, FleetConfig, ServerConfig
 from server.fedopt import ServerOptConfig
 from simulations.progress import RoundProgress
 from wire.shape import RunShape
@@ -53,8 +53,9 @@ _LOCAL_RAY_FIX = "or leave out --ray-address to run a local Ray"
 class SimulationSettings:
     """A simulated federation: the server's settings plus the fleet's size.
 
-    The run's shape, the fleet and the export are the server's own sub-configs
-    (``ServerConfig.shape``, ``.fleet``, ``.export``): one name and one default each.
+    The run's shape, the fleet, the export and the adapters are the server's own
+    sub-configs (``ServerConfig.shape``, ``.fleet``, ``.export``, ``.adapters``): one
+    name and one default each.
     """
 
     shape: RunShape = field(default_factory=RunShape)  # what every client trains on
@@ -77,6 +78,9 @@ class SimulationSettings:
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     #   [server-opt] [server-lr] ... [aggregation] [trim-fraction]: the server
     #   optimiser and aggregation (server/fedopt.py)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    #   [adapters] [lora-rank] [lora-alpha] [lora-targets] [lora-base-dtype]: LoRA
+    #   adapters for nodes that no whole-model plan fits, or for every node
     round_deadline_s: float = _SERVER.round_deadline_s  # [round-deadline] simulated
     #   seconds a device's round may take (server/simtime.py); 0: none
     init_model: str = ""  # [init-model] safetensors file the model starts from
@@ -98,6 +102,7 @@ class SimulationSettings:
             eval_windows=self.eval_windows,
             export=self.export,
             server_opt=self.server_opt,
+            adapters=self.adapters,
             round_deadline_s=self.round_deadline_s,
             init_model=self.init_model,
         )

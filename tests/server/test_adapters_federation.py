@@ -59,6 +59,9 @@ def test_adapter_round_merges_the_mean_of_products(tmp_path):
     paths = [f"layers.{i}.{m}" for i in (0, 1) for m in ("qkv", "fc")]
     for r in replies.values():  # only the factors travel back
         assert set(r) == {k for p in paths for k in factor_keys(p)}
+    for a in rec["assignments"]:  # simulated time prices the factors, not the merge
+        sent = replies[a["node_id"]].values()
+        assert a["up_bytes"] == sum(v.numel() * v.element_size() for v in sent)
     total = sum(counted.values())
     state, _ = load_model(tmp_path / "run" / "model.safetensors")
     assert set(state) == set(base)  # one plain model: the base's own keys

@@ -1,6 +1,6 @@
-"""HeteroFL and FedRolex in ``--compare``: sized per device from the memory model,
-run on Flower's simulation engine, reported like every strategy (the machinery, not
-which one wins)."""
+"""HeteroFL, FedRolex and fleetfit's adapter variants in ``--compare``: sized per
+device from the memory model, run on Flower's simulation engine, reported like every
+strategy (the machinery, not which one wins)."""
 
 from __future__ import annotations
 
@@ -62,11 +62,25 @@ def in_process(settings):
     return federate(settings.server_config(), FakeGrid(nodes(settings.num_clients)))
 
 
-def test_compare_reports_heterofl_and_fedrolex_like_the_others(tmp_path, monkeypatch):
+def test_compare_reports_the_baselines_and_adapter_variants_like_the_others(
+    tmp_path, monkeypatch
+):
     import simulations.compare
 
     monkeypatch.setattr(simulations.compare, "simulate", in_process)
-    check_comparison(tmp_path / "out", client_measure="inline")
+    variants = ("fleetfit-adapter", "adapters")
+    result = check_comparison(tmp_path / "out", variants, client_measure="inline")
+    s = result["strategies"]
+    for name in variants:
+        e = s[name]
+        assert (tmp_path / "out" / name / "model.safetensors").exists()
+        assert isinstance(e["final_metric"], float)
+        assert e["classes"]["tiny"]["data_share"] == 0.0  # 50 MB: nothing fits
+    got = {k for c in s["adapters"]["classes"].values() for k in c["kinds"]}
+    assert "adapter" in got and not got & {"full", "part"}, got
+    assert s["adapters"]["participation"] > 0  # an adapter update counts
+    got = {k for c in s["fleetfit-adapter"]["classes"].values() for k in c["kinds"]}
+    assert "part" not in got, got  # a plan, else an adapter, never a window first
 
 
 @pytest.mark.simulation
@@ -75,10 +89,11 @@ def test_compare_runs_heterofl_and_fedrolex_on_the_engine(tmp_path):
     check_comparison(tmp_path / "out")
 
 
-def check_comparison(out, **engine):
-    result = compare(tiny_fleet(), ["heterofl", "fedrolex", "exclude"], out, **engine)
+def check_comparison(out, extra=(), **engine):
+    names = ["heterofl", "fedrolex", "exclude", *extra]
+    result = compare(tiny_fleet(), names, out, **engine)
     on_disk = json.loads((out / "summary.json").read_text())
-    assert list(on_disk["strategies"]) == ["heterofl", "fedrolex", "exclude"]
+    assert list(on_disk["strategies"]) == names
     for name in ("heterofl", "fedrolex"):
         e = result["strategies"][name]
         assert (out / name / "model.safetensors").exists()
@@ -91,5 +106,6 @@ def check_comparison(out, **engine):
         assert e["classes"]["large"]["data_share"] in (0.0, 1.0)  # sampled or offline
         assert 0 < e["data_share"] <= 1
     text = format_table(result)
-    assert "heterofl" in text and "fedrolex" in text
+    assert all(n in text for n in names)
     assert (out / "report.md").exists()
+    return result

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from dataclasses import replace
 
 import pytest
 
@@ -331,10 +332,38 @@ def test_unreadable_files(tmp_path):
 
 def test_strategy_names_are_checked():
     assert check_strategies(["fleetfit", " exclude"]) == ["fleetfit", "exclude"]
-    with pytest.raises(ValueError, match="unknown strategy 'greedy'"):
+    assert check_strategies(["fleetfit-adapter", "adapters"]) == [
+        "fleetfit-adapter",
+        "adapters",
+    ]
+    with pytest.raises(ValueError, match="unknown strategy 'greedy'") as e:
         check_strategies(["greedy"])
+    assert "\n" not in str(e.value) and "fleetfit-adapter" in str(e.value)
     with pytest.raises(ValueError, match="twice"):
         check_strategies(["exclude", "exclude"])
+
+
+@pytest.mark.parametrize(
+    "strategy, server, mode",
+    [
+        ("fleetfit", "fleetfit", "off"),  # full where a plan fits, else part
+        ("fleetfit-adapter", "fleetfit", "auto"),  # full, else adapter
+        ("adapters", "fleetfit", "all"),  # adapters everywhere
+        ("exclude", "exclude", "off"),
+        ("heterofl", "heterofl", "off"),
+    ],
+)
+def test_fleetfit_variants_differ_only_in_the_adapters_key(
+    strategy, server, mode, tmp_path
+):
+    fleet = load_fleet("phones")
+    got = settings_for(fleet, strategy, tmp_path).validate()
+    assert got.strategy == server and got.adapters.mode == mode
+    assert ServerConfig.from_run_config(got.to_run_config()).adapters.mode == mode
+    if server == "fleetfit":  # everything else as plain fleetfit's
+        plain = settings_for(fleet, "fleetfit", tmp_path).validate()
+        assert replace(got, adapters=plain.adapters) == plain
+        assert got.adapters.spec() == plain.adapters.spec()
 
 
 def test_cli_rejects_a_bad_fleet_before_ray_starts(tmp_path):

@@ -49,7 +49,19 @@ def test_defaults_and_options(bench):
     assert cfg.server_opt_config().name == "fedadam" and cfg.second == ""
     smoke = bench.parse(["--smoke"])
     assert smoke.rounds == 1 and smoke.local_steps == 1 and smoke.figures == ""
-    for bad in (["--lrs", "fleetfit=x"], ["--settings", "warm"], ["--rounds", "0"]):
+    variants = bench.parse(
+        ["--strategies", "fleetfit,fleetfit-adapter,adapters", "--tag", "adapters"]
+    )
+    assert variants.strategies == ("fleetfit", "fleetfit-adapter", "adapters")
+    assert variants.tag == "adapters"
+    for bad in (
+        ["--lrs", "fleetfit=x"],
+        ["--settings", "warm"],
+        ["--rounds", "0"],
+        ["--strategies", "fleetfit,lora"],
+        ["--tag", "a/b"],
+        ["--disk", "lots"],
+    ):
         with pytest.raises(SystemExit):
             bench.parse(bad)
 
@@ -64,6 +76,10 @@ def test_fleets_of_both_settings(bench):
     for f in (pre, scratch):
         assert f.num_server_rounds == 3 and f.shape.local_steps == 4
         assert f.shape.proximal_mu == 0.1
+    assert any(c.disk_bytes > 0 for c in pre.classes)
+    no_disk = bench.bench_fleet(bench.parse(["--disk", "0"]), "phones", "pretrained")
+    assert all(c.disk_bytes == 0 for c in no_disk.classes)
+    assert no_disk.budgets == pre.budgets
 
 
 def _entry(final, sim, rounds, classes, participation=1.0):
@@ -110,6 +126,7 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
             ),
         },
     }
+    result["strategies"]["fleetfit"]["classes"]["lo"]["kinds"] = {"part": 1, "full": 2}
     text, checks = bench.tables(result)
     c = dict(checks)
     assert c["fleetfit: 100% of sampled devices contribute"]
@@ -119,6 +136,7 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
     assert c["better than exclude on lo's data, equal simulated time"]  # 31 vs 35
     assert "| lo* |" in text and "| hi |" in text
     assert "30.00 (1)" in text and "15.00 (2)" in text
+    assert "| lo | full 2, part 1 | - |" in text  # the work each class was given
 
 
 def test_merge_joins_strategies_of_one_fleet(bench, tmp_path):
