@@ -51,12 +51,13 @@ from workloads.splits import split_indices
 log = logging.getLogger(__name__)
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "fleetfit": {"adapters": "off"},  # full where a plan fits, else a part window
+    "fleetfit": {},  # the fleet file's adapters (default off: full, else a part window)
     "fleetfit-adapter": {"adapters": "auto"},  # full where a plan fits, else adapters
     "adapters": {"adapters": "all"},  # adapters on every device
 }
 """fleetfit and its variants: strategy name -> the run-config keys (``AdapterConfig``,
-server/config.py) it sets; each runs the server's ``strategy = fleetfit``."""
+server/config.py) it sets over the fleet file's own (its ``adapters``, ``lora-*``);
+each runs the server's ``strategy = fleetfit``."""
 STRATEGIES = (
     "fleetfit",
     "exclude",
@@ -96,12 +97,20 @@ def server_strategy(name: str) -> str:
     return "exclude" if name == "smallest-model" else name
 
 
-def adapter_config(name: str) -> AdapterConfig:
-    """The run config's adapter settings of comparison strategy ``name`` (the
-    defaults, adapters off, for a strategy that is no fleetfit variant)."""
-    return from_flat(
-        AdapterConfig, VARIANTS.get(name, {}), what=f"strategy {name}", strict=True
+def adapter_config(name: str, fleet: AdapterConfig | None = None) -> AdapterConfig:
+    """The run config's adapter settings of comparison strategy ``name``: the fleet
+    file's (``fleet``; default: the run config's defaults, adapters off) with the
+    variant's keys over them; adapters off for a strategy that is no fleetfit
+    variant (the server trains adapters with fleetfit only)."""
+    if name not in VARIANTS:
+        return AdapterConfig()
+    base = fleet or AdapterConfig()
+    variant = from_flat(
+        AdapterConfig, VARIANTS[name], what=f"strategy {name}", strict=True
     )
+    if "adapters" in VARIANTS[name]:  # the variants set the mode only
+        return replace(base, mode=variant.mode)
+    return base
 
 
 def base_workload(fleet: Fleet) -> Workload:
@@ -185,7 +194,7 @@ def settings_for(
         out=str(out),
         fleet=fleet.fleet_config(),
         strategy=server_strategy(strategy),
-        adapters=adapter_config(strategy),
+        adapters=adapter_config(strategy, fleet.adapters),
         export=ExportConfig(
             onnx="off",
             eval_only="onnxruntime" if strategy in VARIANTS else "off",

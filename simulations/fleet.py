@@ -57,7 +57,7 @@ import numpy as np
 
 from memory.errors import MemoryPlanError
 from memory.sizes import parse_bytes
-from server.config import FleetConfig, ServerConfig
+from server.config import AdapterConfig, FleetConfig, ServerConfig
 from simulations.pretrain import Pretrain, parse_pretrain
 from wire.flat import flat_keys, from_flat
 from wire.shape import RunShape
@@ -75,6 +75,7 @@ RUN_KEYS = (
     "fraction-train",
     "eval-windows",
     "round-deadline",
+    *flat_keys(AdapterConfig),  # adapters, lora-rank, lora-alpha, lora-targets, ...
 )
 """The run-config keys a fleet file may set (``ServerConfig``'s names and defaults)."""
 
@@ -158,6 +159,9 @@ class Fleet:
     round_deadline_s: float = _SERVER.round_deadline_s  # [round-deadline] simulated
     #   seconds a device's round may take (server/simtime.py); 0: none
     pretrain: Pretrain | None = None  # [pretrain]: None trains from scratch
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)  # [adapters]
+    #   [lora-rank] [lora-alpha] [lora-targets] [lora-base-dtype]: fleetfit's LoRA
+    #   adapters (the variants of simulations.compare set the mode)
     description: str = ""
     file: str = ""
     partition_class: tuple[int, ...] = field(default=())  # class index per device
@@ -333,6 +337,7 @@ def parse_fleet(data: dict[str, Any], file: str = "", **overrides: Any) -> Fleet
         eval_windows=run.eval_windows,
         round_deadline_s=run.round_deadline_s,
         pretrain=pretrain,
+        adapters=run.adapters,
         description=str(data.get("description", "")),
         file=file,
         partition_class=partition_class,

@@ -392,3 +392,31 @@ def test_cli_rejects_a_bad_fleet_before_ray_starts(tmp_path):
     assert "shares sum to 0.7" in done.stderr
     assert "ray" not in done.stderr.lower()
     assert time.monotonic() - t0 < 60
+
+
+def test_a_fleet_file_sets_the_adapters_and_the_variants_keep_its_lora_keys(
+    tmp_path,
+):
+    """The fleet file's adapters and lora-* keys reach the run config of plain
+    fleetfit; the variants set only the mode over them; other strategies train no
+    adapters; a bad value is one line naming the key."""
+    keys = {
+        "workload": "gpt-tiny",
+        "adapters": "auto",
+        "lora-rank": 4,
+        "lora-alpha": 8.0,
+        "lora-targets": "qkv,fc",
+    }
+    fleet = parse_fleet(small(**keys), "t.toml")
+    assert fleet.adapters.mode == "auto" and fleet.adapters.rank == 4
+    for strategy, mode in [("fleetfit", "auto"), ("adapters", "all")]:
+        got = settings_for(fleet, strategy, tmp_path).validate()
+        assert got.adapters.mode == mode
+        assert (got.adapters.rank, got.adapters.alpha) == (4, 8.0)
+        assert got.adapters.targets == ("qkv", "fc")
+    assert settings_for(fleet, "exclude", tmp_path).validate().adapters.mode == "off"
+    with pytest.raises(FleetError, match="lora-rank") as e:
+        parse_fleet(small(**{"lora-rank": 0}), "t.toml")
+    assert "\n" not in str(e.value)
+    with pytest.raises(FleetError, match="adapters"):
+        parse_fleet(small(adapters="some"), "t.toml")
