@@ -44,20 +44,20 @@ from server.config import AdapterConfig, ExportConfig, ServerConfig
 from server.fedopt import ServerOptConfig
 from simulations.fleet import Fleet
 from simulations.run import SimulationSettings, simulate
-from wire.flat import from_flat
 from workloads import Workload, get_workload
 from workloads.splits import split_indices
 
 log = logging.getLogger(__name__)
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "fleetfit": {},  # the fleet file's adapters (default off: full, else a part window)
-    "fleetfit-adapter": {"adapters": "auto"},  # full where a plan fits, else adapters
-    "adapters": {"adapters": "all"},  # adapters on every device
+VARIANTS: dict[str, str | None] = {
+    "fleetfit": None,  # the fleet file's adapters (default off: full, else a part window)
+    "fleetfit-adapter": "auto",  # full where a plan fits, else adapters
+    "adapters": "all",  # adapters on every device
 }
-"""fleetfit and its variants: strategy name -> the run-config keys (``AdapterConfig``,
-server/config.py) it sets over the fleet file's own (its ``adapters``, ``lora-*``);
-each runs the server's ``strategy = fleetfit``."""
+"""fleetfit and its variants: strategy name -> the run config's ``adapters`` mode it
+sets over the fleet file's (``AdapterConfig``, server/config.py; None: the file's
+own), keeping the file's ``lora-*`` keys; each runs the server's ``strategy =
+fleetfit``."""
 STRATEGIES = (
     "fleetfit",
     "exclude",
@@ -100,17 +100,13 @@ def server_strategy(name: str) -> str:
 def adapter_config(name: str, fleet: AdapterConfig | None = None) -> AdapterConfig:
     """The run config's adapter settings of comparison strategy ``name``: the fleet
     file's (``fleet``; default: the run config's defaults, adapters off) with the
-    variant's keys over them; adapters off for a strategy that is no fleetfit
+    variant's mode over them; adapters off for a strategy that is no fleetfit
     variant (the server trains adapters with fleetfit only)."""
     if name not in VARIANTS:
         return AdapterConfig()
     base = fleet or AdapterConfig()
-    variant = from_flat(
-        AdapterConfig, VARIANTS[name], what=f"strategy {name}", strict=True
-    )
-    if "adapters" in VARIANTS[name]:  # the variants set the mode only
-        return replace(base, mode=variant.mode)
-    return base
+    mode = VARIANTS[name]
+    return base if mode is None else replace(base, mode=mode)
 
 
 def base_workload(fleet: Fleet) -> Workload:
