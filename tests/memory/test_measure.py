@@ -103,13 +103,19 @@ def test_timeout_kills_the_child():
         measure_in_child("memhelpers:sleep", {"seconds": 30}, timeout_s=3)
 
 
-def test_env_reaches_the_child_and_the_malloc_setting_is_fixed():
+def test_env_reaches_the_child_and_the_allocator_settings_are_fixed():
+    keys = ["MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM", "T_X"]
+    m = measure_in_child("memhelpers:getenv", {"keys": keys}, env={"T_X": "x"})
+    assert m.result == {
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "MKL_DISABLE_FAST_MM": "1",
+        "T_X": "x",
+    }
+    # the caller's env overrides them
     m = measure_in_child(
-        "memhelpers:getenv",
-        {"keys": ["MALLOC_MMAP_THRESHOLD_", "T_X"]},
-        env={"T_X": "x"},
+        "memhelpers:getenv", {"keys": keys[1:2]}, env={"MKL_DISABLE_FAST_MM": "0"}
     )
-    assert m.result == {"MALLOC_MMAP_THRESHOLD_": "65536", "T_X": "x"}
+    assert m.result == {"MKL_DISABLE_FAST_MM": "0"}
     # a target must answer a dict
     with pytest.raises(MeasurementError, match="returned str, not a dict"):
         measure_in_child("os:getenv", {"key": "HOME"})
