@@ -206,7 +206,7 @@ def test_supernodes_train_adapters_inside_their_budgets(tmp_path):
     smallest adapter budget); the server merges their factors into the plain model,
     so exactly the adapted weights move."""
     pytest.importorskip("peft")
-    # the smallest adapter budget is 104.96 MiB (100 MiB of it the runtime reserve):
+    # the smallest adapter budget is 104.88 MiB (100 MiB of it the runtime reserve):
     # at 105 MiB the plan recomputes layers.0 in 4 microbatches
     budgets = ["300MiB", "105MiB"]
     nodes = [
