@@ -24,6 +24,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,9 @@ from memory.blocks import Block
 
 log = logging.getLogger(__name__)
 
-BASE_DTYPES = ("float32", "bfloat16")
+BASE_DTYPES = ("float32", "bfloat16", "int8")
+"""Storage of the frozen base: ``int8`` holds each untied linear weight as int8 with a
+float32 scale per output row (``Int8Linear``); every other tensor stays float32."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,12 @@ class LoraSpec:
             ``q_proj``); empty: every linear module of the adapted blocks.
         start: index of the first block (or unit) carrying adapters; adapters sit in
             blocks ``[start, last)`` (never in the head).
-        base_dtype: storage of the frozen base's floating parameters: ``float32``,
-            or ``bfloat16`` (half the bytes; the forward computes in bfloat16 under
-            autocast, the adapters' own parameters and optimizer stay float32).
+        base_dtype: storage of the frozen base's floating parameters: ``float32``;
+            ``bfloat16`` (half the bytes; the forward computes in bfloat16 under
+            autocast); or ``int8`` (each untied linear weight in int8 with a float32
+            scale per output row, ``Int8Linear``: about a quarter of its bytes; the
+            arithmetic stays float32, the weight dequantized one layer at a time).
+            The adapters' own parameters and optimizer stay float32.
     """
 
     rank: int
@@ -157,6 +163,138 @@ def factor_shapes(
     return shapes
 
 
+QUANTIZE_BLOCK_BYTES = 2**20
+"""``quantize`` converts a weight a block of rows of at most this many float32 bytes at
+a time (its temporaries stay this small, whatever the weight's size)."""
+
+
+class _Int8Matmul(torch.autograd.Function):
+    """``x @ dequantize(q, scale).T`` whose backward dequantizes the weight again
+    instead of keeping it: autograd saves only the int8 weight and its scales (the
+    module's own buffers) and never the input (the weight takes no gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, scale)
+        return x @ dequantize(q, scale).t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        q, scale = ctx.saved_tensors
+        return grad @ dequantize(q, scale), None, None
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of a ``(out, in)`` weight, one float32 scale per
+    output row (``max |w| / 127``; an all-zero row gets scale 1)."""
+    w = weight.detach()
+    rows = max(1, QUANTIZE_BLOCK_BYTES // max(1, 4 * w.shape[1]))
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for a in range(0, w.shape[0], rows):  # a block of rows at a time: small temporaries
+        blk = w[a : a + rows].to(torch.float32, copy=True)
+        amax = blk.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q[a : a + rows] = blk.div_(s.unsqueeze(1)).round_().clamp_(-127, 127)
+        scale[a : a + rows] = s
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``q * scale`` (one new tensor of the weight's size)."""
+    return q.to(torch.float32).mul_(scale.unsqueeze(1))
+
+
+class Int8Linear(nn.Module):
+    """A frozen linear layer whose weight is held in int8 (``quantize``): the
+    ``(out, in)`` int8 weight and its scales are buffers, the bias a frozen float32
+    parameter. ``from_linear`` converts an ``nn.Linear`` or a transformers ``Conv1D``
+    (its ``(in, out)`` weight transposed once, at conversion)."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+        )
+
+    @classmethod
+    def from_linear(cls, module: nn.Module) -> Int8Linear:
+        w = module.weight
+        assert isinstance(w, torch.Tensor)
+        q, scale = quantize(w.t() if fan_in_fan_out(module) else w)
+        return cls(q, scale, getattr(module, "bias", None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Int8Matmul.apply(x, self.qweight, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def int8_linears(model: nn.Module) -> list[str]:
+    """Paths of the linear layers an ``int8`` base holds in int8: every
+    ``nn.Linear`` or ``Conv1D`` whose weight no other module uses (a head tied to the
+    embedding stays float32) and that is not an adapter factor."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    return [
+        path
+        for path, m in model.named_modules()
+        if _is_linear(m)
+        and ".lora_" not in f".{path}"
+        and uses.get(id(m.weight), 0) == 1
+    ]
+
+
+def frozen_base_bytes(
+    module: nn.Module, base_dtype: str, int8: set[int], only: set[int] | None = None
+) -> tuple[int, int]:
+    """What ``module``'s frozen parameters hold in ``base_dtype``, bytes, and the
+    transient bytes its forward and backward add (``int8``: the largest of its int8
+    layers' weights dequantized to float32, one at a time). ``int8``: the ``id`` of
+    each module ``int8_linears`` names. Counts each parameter once, and with
+    ``only`` just the parameters whose ``id`` it holds."""
+    held, transient = 0, 0
+    quantized: set[int] = set()
+    for m in module.modules():
+        if (
+            base_dtype == "int8"
+            and id(m) in int8
+            and (only is None or id(m.weight) in only)
+        ):
+            n_in, n_out = linear_shape(m)
+            held += n_in * n_out + 4 * n_out  # int8 weight, float32 scales
+            transient = max(transient, 4 * n_in * n_out)
+            quantized.add(id(m.weight))
+    seen: set[int] = set()
+    for p in module.parameters():
+        if (
+            id(p) in seen
+            or id(p) in quantized
+            or (only is not None and id(p) not in only)
+        ):
+            continue
+        seen.add(id(p))
+        per = (
+            2
+            if base_dtype == "bfloat16" and p.is_floating_point()
+            else p.element_size()
+        )
+        held += p.numel() * per
+    return held, transient
+
+
 def add_adapters(
     model: nn.Module, spec: LoraSpec, blocks: Sequence[Block]
 ) -> list[str]:
@@ -184,7 +322,12 @@ def add_adapters(
         target_modules="|".join(re.escape(p) for p in paths),  # full-match regex
     )
     inject_adapter_in_model(config, model)
-    if spec.base_dtype != "float32":
+    if spec.base_dtype == "int8":
+        for path in int8_linears(model):
+            parent, _, leaf = path.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, leaf, Int8Linear.from_linear(model.get_submodule(path)))
+    elif spec.base_dtype != "float32":
         dtype = getattr(torch, spec.base_dtype)
         for name, p in model.named_parameters():
             if "lora_" not in name and p.is_floating_point():
@@ -211,7 +354,7 @@ def autocast_for(spec: LoraSpec | None) -> torch.autocast | None:
     (None: float32, none needed). Its cast cache is off: one context spans many
     optimizer steps, and a cached cast of an adapter's weight would outlive its
     update."""
-    if spec is None or spec.base_dtype == "float32":
+    if spec is None or spec.base_dtype in ("float32", "int8"):
         return None
     dtype = getattr(torch, spec.base_dtype)
     return torch.autocast("cpu", dtype=dtype, cache_enabled=False)
@@ -219,14 +362,19 @@ def autocast_for(spec: LoraSpec | None) -> torch.autocast | None:
 
 __all__ = [
     "BASE_DTYPES",
+    "Int8Linear",
     "LoraSpec",
     "adapter_state",
     "add_adapters",
     "autocast_for",
     "default_targets",
     "factor_keys",
+    "dequantize",
     "factor_shapes",
     "fan_in_fan_out",
+    "frozen_base_bytes",
+    "int8_linears",
     "linear_shape",
+    "quantize",
     "target_paths",
 ]

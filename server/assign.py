@@ -50,9 +50,15 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from memory.cost import predict
+from memory.cost import CHAIN_OPTIONS, STREAM, predict
 from memory.errors import BudgetError
-from memory.lora import LoraSpec, linear_shape, target_paths
+from memory.lora import (
+    LoraSpec,
+    frozen_base_bytes,
+    int8_linears,
+    linear_shape,
+    target_paths,
+)
 from memory.plan import min_budget_bytes
 from memory.profile import Profile
 from memory.proximal import anchored
@@ -287,7 +293,7 @@ class Assigner:
         """The profiles of an adapter assignment from block ``start``."""
         if start not in self._adapter_cache:
             numels, saved = self._adapter_sizes()
-            bytes_per = 2 if self.lora.base_dtype == "bfloat16" else 4
+            held, transient = self._base_sizes()
             self._adapter_cache[start] = {
                 c: anchored(
                     adapter_profile(
@@ -295,7 +301,11 @@ class Assigner:
                         start,
                         numels,
                         lora_saved_bytes=saved,
-                        base_bytes_per_param=bytes_per,
+                        base_bytes_per_param=2
+                        if self.lora.base_dtype == "bfloat16"
+                        else 4,
+                        base_bytes=held,
+                        dequant_bytes=transient,
                     ),
                     self.proximal_mu,
                 )
@@ -327,6 +337,27 @@ class Assigner:
             tokens = prof.blocks[i].input_bytes // (4 * shapes[0][0]) if shapes else 0
             saved.append(4 * tokens * r * len(shapes))
         return numels, saved
+
+    def _base_sizes(self) -> tuple[list[int], list[int]]:
+        """Per block, the bytes its own frozen parameters hold in the adapters'
+        base dtype and the transient bytes of its int8 layers
+        (``memory.lora.frozen_base_bytes``; a tied parameter counts in the block
+        that uses it first, as in the profile)."""
+        dtype = self.lora.base_dtype
+        int8 = (
+            {id(self.model.get_submodule(p)) for p in int8_linears(self.model)}
+            if dtype == "int8"
+            else set()
+        )
+        seen: set[int] = set()
+        held, transient = [], []
+        for b in self.blocks:
+            own = [p for p in b.module.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            h, t = frozen_base_bytes(b.module, dtype, int8, only={id(p) for p in own})
+            held.append(h)
+            transient.append(t)
+        return held, transient
 
     def _adapter(self, budget: int, disk: int, facts: NodeFacts) -> Assignment | None:
         """The adapter assignment with the lowest start block that fits."""
@@ -404,6 +435,8 @@ def adapter_profile(
     *,
     lora_saved_bytes: list[int] | None = None,
     base_bytes_per_param: int = 4,
+    base_bytes: list[int] | None = None,
+    dequant_bytes: list[int] | None = None,
 ) -> Profile:
     """The profile of the chain ``[start, last]`` with LoRA adapters on a frozen
     base (``memory.lora``).
@@ -415,13 +448,25 @@ def adapter_profile(
     it) plus ``lora_saved_bytes[i]`` (the ``A x`` products kept for ``B``'s
     gradient). The frozen prefix's parameters and the chain's input are held
     through the step (``batch_bytes``), as in ``part_profile``.
+
+    ``base_bytes`` (per block; default: the profile's ``param_bytes`` at
+    ``base_bytes_per_param``) is what a block's own frozen parameters hold, and
+    ``dequant_bytes`` what its forward and backward add on top (an int8 base's
+    dequantized weight, ``memory.lora.frozen_base_bytes``). A block with int8
+    layers is never streamed: its int8 weights are buffers, which streaming leaves
+    resident.
     """
     n = len(profile.blocks)
     saved = lora_saved_bytes or [0] * n
+    extra = dequant_bytes or [0] * n
     before = {b.name for b in profile.blocks[:start]}
 
     def base(nbytes: int) -> int:
         return nbytes * base_bytes_per_param // 4
+
+    def own(i: int) -> int:
+        b = profile.blocks[i]
+        return base(b.param_bytes) if base_bytes is None else base_bytes[i]
 
     blocks = []
     for i in range(start, n):
@@ -430,14 +475,24 @@ def adapter_profile(
             b = replace(b, shared_param_bytes=0, shared_with=())
         numel = adapter_numels[i]
         costs = {
-            m: replace(c, saved_bytes=c.saved_bytes + saved[i] // m)
+            m: replace(
+                c,
+                saved_bytes=c.saved_bytes + saved[i] // m,
+                forward_peak_bytes=c.forward_peak_bytes + extra[i],
+                forward_no_grad_peak_bytes=c.forward_no_grad_peak_bytes + extra[i],
+                backward_peak_bytes=c.backward_peak_bytes + extra[i],
+            )
             for m, c in b.costs.items()
         }
+        if extra[i]:
+            b = replace(
+                b, options=tuple(o for o in b.options or CHAIN_OPTIONS if o != STREAM)
+            )
         blocks.append(
             replace(
                 b,
                 num_params=b.num_params + numel,
-                param_bytes=base(b.param_bytes) + 4 * numel,
+                param_bytes=own(i) + 4 * numel,
                 grad_bytes=4 * numel,
                 optimizer_state_bytes=8 * numel,
                 shared_param_bytes=base(b.shared_param_bytes),
@@ -445,7 +500,7 @@ def adapter_profile(
                 costs=costs,
             )
         )
-    held = sum(base(b.param_bytes) + b.buffer_bytes for b in profile.blocks[:start])
+    held = sum(own(i) + profile.blocks[i].buffer_bytes for i in range(start))
     if start > 0:
         held += profile.blocks[start].costs[1].input_bytes
     return replace(

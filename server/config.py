@@ -58,7 +58,7 @@ class AdapterConfig:
     #   [lora-targets] leaf names of the adapted linear modules ("qkv,fc");
     #   "": every linear module of the blocks before the head
     base_dtype: str = field(default="float32", metadata={"key": "lora-base-dtype"})
-    #   [lora-base-dtype] float32 | bfloat16: how a node holds the frozen base
+    #   [lora-base-dtype] float32 | bfloat16 | int8: how a node holds the frozen base
 
     def spec(self) -> LoraSpec:
         return LoraSpec(

@@ -78,6 +78,15 @@ def test_budget_decides_where_adapters_sit_rank_matters_little():
     assert need(a64, starts[-1]) < 1.1 * last  # rank: a few percent
     bf16 = _assigner("gpt-byte", base_dtype="bfloat16")
     assert need(bf16, starts[0]) < 0.9 * all_layers
+    int8 = _assigner("gpt-byte", base_dtype="int8")
+    # at this size the model's float32 construction sets both floors ...
+    assert need(int8, starts[0]) <= need(bf16, starts[0])
+
+    def frozen(a):  # ... what the step holds of the base: about half of bf16's
+        p = a.adapter_profiles(starts[0])[1]
+        return p.batch_bytes + sum(b.param_bytes for b in p.blocks)
+
+    assert frozen(int8) < 0.6 * frozen(bf16)
     # with a budget between the two, the assigner adapts the layers that fit
     got = a8.assign(
         NodeFacts(budget_bytes=(last + all_layers) // 2, disk_budget_bytes=0), 1
@@ -87,8 +96,9 @@ def test_budget_decides_where_adapters_sit_rank_matters_little():
     assert got.predicted_peak_bytes <= (last + all_layers) // 2
 
 
-def test_measured_adapter_peak_is_inside_its_budget():
-    a = _assigner("gpt-tiny", reserve=parse_bytes("100MiB"))
+@pytest.mark.parametrize("base_dtype", ["float32", "int8"])
+def test_measured_adapter_peak_is_inside_its_budget(base_dtype):
+    a = _assigner("gpt-tiny", base_dtype=base_dtype, reserve=parse_bytes("100MiB"))
     budget = a.adapter_min_budget()
     asg = a.assign(NodeFacts(budget_bytes=budget, disk_budget_bytes=0), 1)
     assert asg.kind == "adapter" and asg.plan is not None
@@ -111,3 +121,20 @@ def test_measured_adapter_peak_is_inside_its_budget():
     assert set(r.state) == set(inline.state)  # the factors only, the same bits
     for k in inline.state:
         assert torch.equal(r.state[k], inline.state[k]), k
+
+
+def test_base_sizes_match_the_profile_and_int8_holds_a_quarter_of_its_layers():
+    fp32, int8 = _assigner("gpt-byte"), _assigner("gpt-byte", base_dtype="int8")
+    held, transient = fp32._base_sizes()
+    assert held == [b.param_bytes for b in fp32.profile.blocks]  # ownership agrees
+    assert transient == [0] * len(held)
+    q_held, q_transient = int8._base_sizes()
+    # gpt-byte (d=512): a layer's linear weights are 12 d^2 floats; int8 keeps a
+    # byte each plus a float32 scale per output row, the norms and biases float32
+    d = 512
+    for i in range(1, 7):
+        linear = 4 * 12 * d * d
+        assert q_held[i] == held[i] - linear + linear // 4 + 4 * (3 * d + d + 4 * d + d)
+        assert q_transient[i] == 4 * 4 * d * d  # the largest: fc or out, 4d x d
+    prof = int8.adapter_profiles(1)[1]
+    assert all(b.options and "S" not in b.options for b in prof.blocks[:-1])
