@@ -12,9 +12,12 @@ in one:
 
 Every strategy runs with the same server optimiser (``--server-opt``), proximal term
 (``--proximal-mu``), rounds, local steps, split and seed; each at its own client lr
-chosen by one rule for all (``simulations.lr_sweep``): ``--lrs`` gives the recorded
-choices (``name=lr,...``), ``--sweep-rounds N`` runs the sweep first (3 candidates per
-strategy, N rounds each). Prints per setting the final metric overall and on the
+chosen by one rule for all. By default: every model is pretrained at each candidate
+lr (``--pretrain-lrs``, default the fleet's lr times 1/30, 1/10, 1/3 and 1) and keeps
+its best (``simulations.pretrain``), and its clients train at that lr, in the
+pretrained setting and then from scratch on the same fleet. ``--lrs`` gives recorded
+choices instead (``name=lr,...``), ``--sweep-rounds N`` runs the federated sweep
+first (``simulations.lr_sweep``: 3 candidates per strategy, N rounds each). Prints per setting the final metric overall and on the
 data of every device class (``exclude``'s left-out classes marked) at equal rounds and
 at equal simulated time (the shortest simulated time of a run that trained: the model
 at its last round finished by then), participation and wall time; then the targets
@@ -66,6 +69,10 @@ SETTINGS = ("pretrained", "scratch")
 DEFAULT_STRATEGIES = ("fleetfit", "exclude", "smallest-model", "heterofl", "fedrolex")
 FIGURES = ROOT / "docs" / "figures" / "fleet_compare"
 PLOTS = ("metric.png", "metric_time.png", "class_rounds.png")
+PRETRAIN_LR_FACTORS = (1 / 30, 1 / 10, 1 / 3, 1.0)
+"""The default candidate pretraining lrs, times the fleet's lr (0.003 on the shipped
+fleets: 1e-4, 3e-4, 1e-3, 3e-3): half-decade steps from the fleet's lr down, where
+the wider model's best lies (docs/simulations.md, The learning-rate rule)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class BenchConfig:
     local_steps: int = 10  # optimizer steps per device per round
     pretrain_steps: int = 200  # AdamW steps of the [pretrain] table
     pretrain_share: float = 0.2  # of every data group, held out from every device
+    pretrain_lrs: tuple[float, ...] = ()  # candidate pretraining lrs; (): the
+    #   fleet's lr times PRETRAIN_LR_FACTORS
     server_opt: str = "fedavg"  # the same for every strategy
     server_lr: float = 0.0  # 0: the optimiser's default
     proximal_mu: float = 0.0  # FedProx mu, every client of every strategy
@@ -113,6 +122,12 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
     ap.add_argument("--local-steps", type=int, default=d.local_steps)
     ap.add_argument("--pretrain-steps", type=int, default=d.pretrain_steps)
     ap.add_argument("--pretrain-share", type=float, default=d.pretrain_share)
+    ap.add_argument(
+        "--pretrain-lrs",
+        default="",
+        help="candidate pretraining lrs, e.g. 0.0001,0.0003 (each model keeps its "
+        "best); default: the fleet's lr times 1/30, 1/10, 1/3 and 1",
+    )
     ap.add_argument("--server-opt", default=d.server_opt, choices=SERVER_OPTS)
     ap.add_argument("--server-lr", type=float, default=d.server_lr)
     ap.add_argument("--proximal-mu", type=float, default=d.proximal_mu)
@@ -168,6 +183,15 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         if name not in STRATEGIES or not (math.isfinite(lr) and lr > 0):
             ap.error(f"--lrs: {item!r} is not STRATEGY=LR with LR > 0")
         lrs.append((name, lr))
+    pretrain_lrs: list[float] = []
+    for item in (x for x in args.pretrain_lrs.split(",") if x):
+        try:
+            lr = float(item)
+        except ValueError:
+            lr = math.nan
+        if not (math.isfinite(lr) and lr > 0):
+            ap.error(f"--pretrain-lrs: {item!r} is not a number > 0")
+        pretrain_lrs.append(lr)
     cfg = BenchConfig(
         fleet=args.fleet,
         second="" if args.second in ("", "none") else args.second,
@@ -178,6 +202,7 @@ def parse(argv: list[str] | None = None) -> BenchConfig:
         local_steps=args.local_steps,
         pretrain_steps=args.pretrain_steps,
         pretrain_share=args.pretrain_share,
+        pretrain_lrs=tuple(sorted(set(pretrain_lrs))),
         server_opt=args.server_opt,
         server_lr=args.server_lr,
         proximal_mu=args.proximal_mu,
@@ -224,7 +249,15 @@ def bench_fleet(cfg: BenchConfig, name: str, setting: str) -> Fleet:
     data = tomllib.loads(path.read_text())
     data.pop("pretrain", None)
     if setting == "pretrained":
-        data["pretrain"] = {"share": cfg.pretrain_share, "steps": cfg.pretrain_steps}
+        lr = parse_fleet(data, file=str(path)).shape.lr  # the file's, or the default
+        lrs = cfg.pretrain_lrs or tuple(
+            float(f"{lr * f:.6g}") for f in PRETRAIN_LR_FACTORS
+        )
+        data["pretrain"] = {
+            "share": cfg.pretrain_share,
+            "steps": cfg.pretrain_steps,
+            "lr": list(lrs),
+        }
     if cfg.proximal_mu:
         data["proximal-mu"] = cfg.proximal_mu
     if cfg.disk:
@@ -416,10 +449,20 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.second:
         jobs.append((cfg.second, cfg.second_setting))
     results: dict[str, Any] = {}
+    # per fleet: each strategy's lr as its model's pretraining kept it, for the
+    # fleet's from-scratch comparison (the same lr rule in both settings)
+    kept: dict[str, dict[str, float]] = {}
     for name, setting in jobs:
         fleet = bench_fleet(cfg, name, setting)
         stem = f"{fleet.name}-{setting}" + (f"-{cfg.tag}" if cfg.tag else "")
         lrs = dict(cfg.lrs)
+        rule = "given (--lrs)" if lrs else "the fleet's"
+        if not lrs and not cfg.sweep_rounds:
+            if fleet.pretrain is not None and fleet.pretrain.lrs:
+                rule = "pretrain"
+            elif fleet.name in kept:
+                lrs = kept[fleet.name]
+                rule = "kept by the pretrained setting's pretraining"
         table = None
         if cfg.sweep_rounds:
             table = sweep(
@@ -428,11 +471,12 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 lr_grid(fleet.shape.lr),
                 out / stem / "lr-sweep",
                 rounds=cfg.sweep_rounds,
-                pretrain_dir=out / stem / "pretrain",
+                pretrain_dir=out / "pretrain",
                 server_opt=server_opt,
                 **engine,
             )
             lrs = table["chosen"]
+            rule = "swept (--sweep-rounds)"
             print(f"\n## lr sweep, {stem}\n\n{format_sweep(table)}", flush=True)
         t0 = time.monotonic()
         result = compare(
@@ -442,9 +486,15 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             server_opt=server_opt,
             lrs=lrs or None,
             lr_sweep=table,
+            lr_from_pretrain=rule == "pretrain",
+            pretrain_dir=out / "pretrain",
             **engine,
         )
         wall = time.monotonic() - t0
+        chosen = {n: float(e["lr"]) for n, e in result["strategies"].items()}
+        if rule == "pretrain":
+            kept[fleet.name] = chosen
+            rule = "each model's pretraining lr (its best candidate)"
         text, checks = tables(result)
         print(
             f"\n## {fleet.name}, {setting}: {fleet.clients} devices, "
@@ -459,6 +509,9 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 if fleet.pretrain
                 else ", from scratch"
             )
+            + "\n# client lr: "
+            + ", ".join(f"{n} {v:g}" for n, v in chosen.items())
+            + f" ({rule})"
             + f"\n# machine: {machine()}; comparison wall time {wall:.0f} s\n"
         )
         print(text)
@@ -473,6 +526,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             "checks": dict(checks),
             "plots": plots,
             "lr_sweep": table,
+            "lr_rule": rule,
             "summary": {
                 n: {k: v for k, v in e.items() if k != "rounds"}
                 for n, e in result["strategies"].items()

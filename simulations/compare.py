@@ -210,12 +210,14 @@ def run_strategy(
     *,
     pretrain_dir: str | Path | None = None,
     server_opt: ServerOptConfig | None = None,
+    lr_from_pretrain: bool = False,
     **engine: Any,
 ) -> dict[str, Any]:
     """Simulate ``strategy`` on ``fleet`` into run folder ``out``; its summary entry
     (``engine``: see ``settings_for``). With a ``[pretrain]`` table the strategy's
     model is pretrained first, or taken from the cache in ``pretrain_dir`` (default
-    ``out/pretrain``)."""
+    ``out/pretrain``); ``lr_from_pretrain``: the clients train at the lr the
+    pretraining kept for this model (its candidate lrs, ``simulations.pretrain``)."""
     workload = None
     if strategy == "smallest-model":
         shrunk, need = smallest_model(fleet)
@@ -233,6 +235,14 @@ def run_strategy(
             Path(out) / "pretrain" if pretrain_dir is None else pretrain_dir,
         )
         init_model = str(pretrained.path)
+        if lr_from_pretrain:
+            from simulations.lr_sweep import with_lr
+
+            fleet = with_lr(fleet, float(pretrained.record["lr"]))
+    elif lr_from_pretrain:
+        raise ValueError(
+            "lr_from_pretrain: the fleet has no [pretrain] table to take an lr from"
+        )
     settings = settings_for(
         fleet,
         strategy,
@@ -266,6 +276,8 @@ def compare(
     server_opt: ServerOptConfig | None = None,
     lrs: dict[str, float] | None = None,
     lr_sweep: dict[str, Any] | None = None,
+    lr_from_pretrain: bool = False,
+    pretrain_dir: str | Path | None = None,
     **engine: Any,
 ) -> dict[str, Any]:
     """Run each strategy on the same fleet, split and seed; write the comparison.
@@ -275,9 +287,17 @@ def compare(
     server optimiser of every strategy (default FedAvg). ``lrs``: a client lr per
     strategy (``simulations.lr_sweep``; default the fleet's for all), and
     ``lr_sweep`` the sweep that chose them, recorded in the summary and report.
-    ``engine``: see ``settings_for``.
+    ``lr_from_pretrain``: instead, each strategy's clients train at the lr its
+    model's pretraining kept (``[pretrain]`` with candidate lrs: the same rule for
+    every model). ``pretrain_dir``: the pretrained models' cache (default
+    ``out/pretrain``; comparisons of one workload can share one). ``engine``: see ``settings_for``.
     """
     names = check_strategies(strategies)
+    if lr_from_pretrain and (lrs or fleet.pretrain is None or not fleet.pretrain.lrs):
+        raise ValueError(
+            "lr_from_pretrain takes each model's lr from its pretraining's candidate "
+            "lrs: give the fleet a [pretrain] table with lr = [a list], and no lrs"
+        )
     if target is not None and not (math.isfinite(target) and target > 0):
         raise ValueError(f"target={target!r} must be a positive number")
     if "smallest-model" in names:
@@ -300,8 +320,9 @@ def compare(
             mine,
             name,
             out / name,
-            pretrain_dir=out / "pretrain",
+            pretrain_dir=Path(pretrain_dir) if pretrain_dir else out / "pretrain",
             server_opt=server_opt,
+            lr_from_pretrain=lr_from_pretrain,
             **engine,
         )
         entries[name]["run_folder"] = name
@@ -324,6 +345,8 @@ def compare(
     }
     if lr_sweep is not None:
         result["lr_sweep"] = lr_sweep
+    if lr_from_pretrain:
+        result["lr_rule"] = "pretrain"
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     if report:
         from simulations.report import write_report

@@ -85,9 +85,10 @@ def choose(rows: Sequence[dict[str, Any]], metric_name: str) -> dict[str, float]
 
 def with_lr(fleet: Fleet, lr: float) -> Fleet:
     """``fleet`` with client learning rate ``lr``; a ``[pretrain]`` phase that took
-    the run's lr keeps the fleet's own, so every candidate starts from one model."""
+    the run's lr keeps the fleet's own, so every candidate starts from one model
+    (candidate pretraining lrs do not depend on the run's lr)."""
     pretrain = fleet.pretrain
-    if pretrain is not None and not pretrain.lr:
+    if pretrain is not None and not pretrain.lr and not pretrain.lrs:
         pretrain = replace(pretrain, lr=fleet.shape.lr)
     return replace(fleet, shape=replace(fleet.shape, lr=lr), pretrain=pretrain)
 

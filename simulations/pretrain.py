@@ -9,7 +9,9 @@ phase in a ``[pretrain]`` table::
                        #   device (workloads.splits.public_indices): the public data
     steps = 200        # optimizer steps (AdamW), centrally
     batch-size = 0     # examples per step; 0: the run's batch-size
-    lr = 0.0           # learning rate; 0: the run's lr
+    lr = 0.0           # learning rate; 0: the run's lr; a list of candidates
+                       #   (lr = [1e-4, 3e-4, 1e-3]): each model is pretrained at
+                       #   every one and keeps its best (the lr rule, below)
 
 The devices split only the rest (run-config ``public-share``), so no device holds an
 item the server pretrained on. Every strategy starts from its own model pretrained the
@@ -18,6 +20,14 @@ same way (``smallest-model``'s shrunk model too), through the run config's
 pretraining settings) in a folder, ``OUT/pretrain/`` in a comparison, so each model is
 pretrained once: ``fleetfit`` and ``exclude`` share one. Without a ``[pretrain]``
 table every strategy starts from scratch, as before.
+
+A list of learning rates is the same rule for every model (issue 16, item 5): each
+model is pretrained at every candidate for ``steps`` steps and keeps the one whose
+model has the best metric on the central held-out set (ties to the smaller lr), so a
+wide model is not held to the lr that suits a narrow one. Each candidate is cached as
+if it had been the only lr; the record lists every candidate's metric (``lr_sweep``)
+and the lr kept (``lr``), which a comparison can also use as the model's client lr
+(``compare(..., lr_from_pretrain=True)``).
 
 Example:
     >>> from simulations.fleet import load_fleet
@@ -35,7 +45,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +68,14 @@ class Pretrain:
     steps: int = 200  # [steps] optimizer steps
     batch_size: int = 0  # [batch-size] examples per step; 0: the run's
     lr: float = 0.0  # [lr] AdamW learning rate; 0: the run's
+    lrs: tuple[float, ...] = ()  # [lr] as a list: candidates, ascending; each model
+    #   keeps its best (``lr`` is then unused)
 
     def describe(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.lrs:  # one lr: the cache key of before candidates existed
+            del d["lrs"]
+        return d
 
 
 def parse_pretrain(raw: Any, shape: RunShape, fail: Any) -> Pretrain:
@@ -96,13 +111,29 @@ def parse_pretrain(raw: Any, shape: RunShape, fail: Any) -> Pretrain:
             "run's batch-size)"
         )
     lr = raw.get("lr", 0.0)
-    if (
-        isinstance(lr, bool)
-        or not isinstance(lr, int | float)
-        or not (lr >= 0 and math.isfinite(lr))
-    ):
-        raise fail(f"pretrain.lr = {lr!r} must be a number >= 0 (0: the run's lr)")
+    if isinstance(lr, list):
+        if not lr or not all(_is_lr(x) and x > 0 for x in lr):
+            raise fail(
+                f"pretrain.lr = {lr!r}: a list of candidates must hold numbers > 0, "
+                "e.g. [1e-4, 3e-4, 1e-3]"
+            )
+        lrs = tuple(sorted({float(x) for x in lr}))
+        return Pretrain(float(share), steps, batch, 0.0, lrs)
+    if not _is_lr(lr):
+        raise fail(
+            f"pretrain.lr = {lr!r} must be a number >= 0 (0: the run's lr) or a list "
+            "of candidates, e.g. [1e-4, 3e-4, 1e-3]"
+        )
     return Pretrain(float(share), steps, batch, float(lr) or shape.lr)
+
+
+def _is_lr(x: Any) -> bool:
+    return (
+        not isinstance(x, bool)
+        and isinstance(x, int | float)
+        and math.isfinite(x)
+        and x >= 0
+    )
 
 
 @dataclass(frozen=True)
@@ -130,14 +161,50 @@ def cache_key(fleet: Fleet, workload: str) -> dict[str, Any]:
 
 def pretrained_model(fleet: Fleet, workload: str, cache_dir: str | Path) -> Pretrained:
     """``workload``'s model pretrained as ``fleet.pretrain`` says, from the cache in
-    ``cache_dir`` or trained now (and cached).
+    ``cache_dir`` or trained now (and cached). With candidate lrs (``lr`` a list),
+    each candidate is pretrained (or found in the cache) and the best kept: the
+    record's ``lr`` is the one kept, ``lr_sweep`` has every candidate's metric.
 
     Raises:
         ValueError: the fleet has no ``[pretrain]`` table, or the workload brings its
             own data (``load_data``), which has no public share to hold out.
     """
-    if fleet.pretrain is None:
+    p = fleet.pretrain
+    if p is None:
         raise ValueError(f"fleet {fleet.name!r} has no [pretrain] table")
+    if not p.lrs:
+        return _pretrained_at(fleet, workload, cache_dir)
+    done = {
+        lr: _pretrained_at(
+            replace(fleet, pretrain=replace(p, lr=lr, lrs=())), workload, cache_dir
+        )
+        for lr in p.lrs
+    }
+    metric_name = next(iter(done.values())).record["metric_name"]
+    sign = -1.0 if metric_name == "accuracy" else 1.0
+
+    def score(lr: float) -> tuple[float, float]:
+        m = done[lr].record.get("metric")
+        if isinstance(m, int | float) and math.isfinite(m):
+            return (sign * float(m), lr)
+        return (math.inf, lr)
+
+    lr = min(done, key=score)
+    sweep = [{"lr": x, "metric": d.record.get("metric")} for x, d in done.items()]
+    record = {**done[lr].record, "lr": lr, "lr_sweep": sweep}
+    log.info(
+        "pretrain: %s keeps lr %g of %s (%s: %s)",
+        workload,
+        lr,
+        ", ".join(f"{x:g}" for x in p.lrs),
+        metric_name,
+        ", ".join(f"{d.record.get('metric')}" for d in done.values()),
+    )
+    return Pretrained(done[lr].path, all(d.cached for d in done.values()), record)
+
+
+def _pretrained_at(fleet: Fleet, workload: str, cache_dir: str | Path) -> Pretrained:
+    """The model pretrained at ``fleet.pretrain``'s one lr, from the cache or now."""
     key = cache_key(fleet, workload)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     stem = f"{re.sub(r'[^A-Za-z0-9_.@-]', '_', workload)}-{digest[:16]}"
@@ -209,6 +276,7 @@ def _pretrain(fleet: Fleet, workload: str, path: Path) -> dict[str, Any]:
         "workload": workload,
         "public_items": len(public),
         "steps": p.steps,
+        "lr": p.lr,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "metric_name": wl.metric_name,

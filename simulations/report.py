@@ -646,7 +646,12 @@ def _lr_lines(compare: dict[str, Any]) -> list[str]:
     (``simulations.lr_sweep``), when the comparison has them."""
     sweep = compare.get("lr_sweep")
     opt = compare.get("server_opt")
-    if not isinstance(sweep, dict) and not isinstance(opt, dict):
+    pretrain_sweeps = _pretrain_sweeps(compare)
+    if (
+        not isinstance(sweep, dict)
+        and not isinstance(opt, dict)
+        and not pretrain_sweeps
+    ):
         return []
     from simulations.lr_sweep import format_sweep
 
@@ -666,7 +671,39 @@ def _lr_lines(compare: dict[str, Any]) -> list[str]:
         ]
     if isinstance(sweep, dict):
         lines += [format_sweep(sweep), ""]
+    if pretrain_sweeps:
+        rule = compare.get("lr_rule") == "pretrain"
+        lines += [
+            "Pretraining lr candidates, each model's metric after pretraining at "
+            "each (the lowest-error one kept"
+            + ("; its clients train at it too" if rule else "")
+            + "):",
+            "",
+            *(f"- `{w}`: {text}" for w, text in pretrain_sweeps.items()),
+            "",
+        ]
     return lines
+
+
+def _pretrain_sweeps(compare: dict[str, Any]) -> dict[str, str]:
+    """Per pretrained model with candidate lrs: ``lr metric, ...`` (kept one
+    starred)."""
+    out: dict[str, str] = {}
+    for entry in compare.get("strategies", {}).values():
+        pre = entry.get("pretrain") if isinstance(entry, dict) else None
+        if not isinstance(pre, dict) or not isinstance(pre.get("lr_sweep"), list):
+            continue
+        cells = []
+        for row in pre["lr_sweep"]:
+            m = row.get("metric") if isinstance(row, dict) else None
+            lr = row.get("lr") if isinstance(row, dict) else None
+            if not isinstance(lr, int | float):
+                continue
+            text = f"{m:.4g}" if isinstance(m, int | float) else "-"
+            star = "*" if lr == pre.get("lr") else ""
+            cells.append(f"lr {lr:g} {text}{star}")
+        out[str(pre.get("workload", "?"))] = ", ".join(cells)
+    return out
 
 
 def report_markdown(compare: dict[str, Any]) -> str:

@@ -61,6 +61,8 @@ def test_defaults_and_options(bench):
         ["--strategies", "fleetfit,lora"],
         ["--tag", "a/b"],
         ["--disk", "lots"],
+        ["--pretrain-lrs", "0.001,-1"],
+        ["--pretrain-lrs", "fast"],
     ):
         with pytest.raises(SystemExit):
             bench.parse(bad)
@@ -71,6 +73,14 @@ def test_fleets_of_both_settings(bench):
     pre = bench.bench_fleet(cfg, "phones", "pretrained")
     scratch = bench.bench_fleet(cfg, "phones", "scratch")
     assert pre.pretrain is not None and pre.pretrain.steps == cfg.pretrain_steps
+    # the default candidates: the fleet's lr (0.003) times 1/30, 1/10, 1/3 and 1
+    assert pre.pretrain.lrs == (0.0001, 0.0003, 0.001, 0.003)
+    given = bench.parse(["--pretrain-lrs", "0.01,0.001,0.001"])
+    assert given.pretrain_lrs == (0.001, 0.01)
+    assert bench.bench_fleet(given, "phones", "pretrained").pretrain.lrs == (
+        0.001,
+        0.01,
+    )
     assert pre.shape.public_share == cfg.pretrain_share
     assert scratch.pretrain is None and scratch.shape.public_share == 0
     for f in (pre, scratch):

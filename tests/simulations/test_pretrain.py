@@ -100,3 +100,103 @@ def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
     assert len(rows) == 3 and all(float(r["sim_elapsed_s"]) > 0 for r in rows)
     assert (out / "metric_time.png").read_bytes()[:4] == b"\x89PNG"
     assert "simulated s" in (out / "report.md").read_text()
+
+
+def _tiny_fleet(pretrain):
+    return parse_fleet(
+        {
+            "name": "tiny",
+            "clients": 2,
+            "num-server-rounds": 1,
+            "local-steps": 2,
+            "workload": "digits-mlp",
+            "split": "iid",
+            "pretrain": pretrain,
+            "classes": [{"name": "all", "share": 1.0, "memory": "1GB"}],
+        }
+    )
+
+
+def test_pretrain_lr_candidates_parse_and_bad_ones_fail_naming_the_field():
+    fleet = _tiny_fleet({"steps": 3, "lr": [0.01, 0.001, 0.01]})
+    assert fleet.pretrain.lrs == (0.001, 0.01) and fleet.pretrain.lr == 0.0
+    # one lr: the cache key of before candidates existed (no "lrs" in it)
+    assert "lrs" not in _tiny_fleet({"steps": 3, "lr": 0.01}).pretrain.describe()
+    for bad in ([], [0.01, 0], [0.01, "x"], [True]):
+        with pytest.raises(ValueError, match=r"pretrain\.lr"):
+            _tiny_fleet({"steps": 3, "lr": bad})
+
+
+def test_each_model_keeps_its_best_candidate_and_each_candidate_is_cached(tmp_path):
+    from simulations.pretrain import pretrained_model
+
+    fleet = _tiny_fleet({"steps": 20, "lr": [1e-6, 0.003, 50.0]})
+    done = pretrained_model(fleet, "digits-mlp", tmp_path)
+    sweep = {row["lr"]: row["metric"] for row in done.record["lr_sweep"]}
+    assert sorted(sweep) == [1e-6, 0.003, 50.0]
+    # accuracy: the highest wins; 20 steps at 1e-6 learn nothing and lr 50 diverges
+    assert done.record["lr"] == max(sweep, key=lambda lr: sweep[lr]) == 0.003
+    assert done.cached is False
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
+    # a candidate's model is the one a single-lr pretraining at it gives
+    one = pretrained_model(
+        _tiny_fleet({"steps": 20, "lr": 0.003}), "digits-mlp", tmp_path
+    )
+    assert one.cached is True and one.path == done.path
+    again = pretrained_model(fleet, "digits-mlp", tmp_path)
+    assert again.cached is True and again.record["lr"] == 0.003
+
+
+def test_lr_from_pretrain_needs_candidates(tmp_path):
+    from simulations.compare import compare
+
+    with pytest.raises(ValueError, match="lr_from_pretrain"):
+        compare(
+            _tiny_fleet({"steps": 2}), ["fleetfit"], tmp_path, lr_from_pretrain=True
+        )
+    fleet = _tiny_fleet({"steps": 2, "lr": [0.001, 0.01]})
+    with pytest.raises(ValueError, match="no lrs"):
+        compare(
+            fleet, ["fleetfit"], tmp_path, lr_from_pretrain=True, lrs={"fleetfit": 0.1}
+        )
+
+
+@pytest.mark.simulation
+def test_compare_trains_each_model_at_its_pretraining_lr(tmp_path):
+    from simulations.compare import compare
+
+    fleet = parse_fleet(
+        {
+            "name": "tiny",
+            "clients": 2,
+            "num-server-rounds": 1,
+            "local-steps": 2,
+            "workload": "digits-cnn",
+            "split": "iid",
+            "pretrain": {"share": 0.2, "steps": 5, "lr": [0.001, 0.01]},
+            "classes": [
+                {"name": "small", "share": 0.5, "memory": "110.3MB"},
+                {"name": "large", "share": 0.5, "memory": "1GB"},
+            ],
+        }
+    )
+    out = tmp_path / "out"
+    result = compare(
+        fleet,
+        ["fleetfit", "smallest-model"],
+        out,
+        client_measure="inline",
+        progress=False,
+        lr_from_pretrain=True,
+        pretrain_dir=tmp_path / "cache",
+    )
+    assert result["lr_rule"] == "pretrain"
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 4
+    for name, e in result["strategies"].items():
+        pre = e["pretrain"]
+        assert [r["lr"] for r in pre["lr_sweep"]] == [0.001, 0.01]
+        assert e["lr"] == pre["lr"]
+        run = json.loads((out / name / "summary.json").read_text())
+        assert run["config"]["lr"] == pre["lr"]
+        assert run["config"]["init-model"].startswith(str(tmp_path / "cache"))
+    assert "Pretraining lr candidates" in (out / "report.md").read_text()
