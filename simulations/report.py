@@ -675,7 +675,7 @@ def _lr_lines(compare: dict[str, Any]) -> list[str]:
         rule = compare.get("lr_rule") == "pretrain"
         lines += [
             "Pretraining lr candidates, each model's metric after pretraining at "
-            "each (the lowest-error one kept"
+            "each (the best one kept"
             + ("; its clients train at it too" if rule else "")
             + "):",
             "",
