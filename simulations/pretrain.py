@@ -180,16 +180,14 @@ def pretrained_model(fleet: Fleet, workload: str, cache_dir: str | Path) -> Pret
         )
         for lr in p.lrs
     }
+    from simulations.lr_sweep import choose  # the federated sweep's pick, one rule
+
     metric_name = next(iter(done.values())).record["metric_name"]
-    sign = -1.0 if metric_name == "accuracy" else 1.0
-
-    def score(lr: float) -> tuple[float, float]:
-        m = done[lr].record.get("metric")
-        if isinstance(m, int | float) and math.isfinite(m):
-            return (sign * float(m), lr)
-        return (math.inf, lr)
-
-    lr = min(done, key=score)
+    rows = [
+        {"strategy": workload, "lr": x, "final_metric": d.record.get("metric")}
+        for x, d in done.items()
+    ]
+    lr = choose(rows, metric_name)[workload]
     sweep = [{"lr": x, "metric": d.record.get("metric")} for x, d in done.items()]
     record = {**done[lr].record, "lr": lr, "lr_sweep": sweep}
     log.info(

@@ -46,11 +46,9 @@ def test_public_data_is_disjoint_from_every_device(workload, split):
     )
 
 
-@pytest.mark.simulation
-def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
-    from simulations.compare import compare
-
-    fleet = parse_fleet(
+def _cnn_fleet(pretrain):
+    """Two digits-cnn devices, one too small for the plain step, one round."""
+    return parse_fleet(
         {
             "name": "tiny",
             "clients": 2,
@@ -58,13 +56,20 @@ def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
             "local-steps": 2,
             "workload": "digits-cnn",
             "split": "iid",
-            "pretrain": {"share": 0.2, "steps": 5},
+            "pretrain": pretrain,
             "classes": [
                 {"name": "small", "share": 0.5, "memory": "110.3MB", "speed": 0.5},
                 {"name": "large", "share": 0.5, "memory": "1GB", "uplink": "1MB/s"},
             ],
         }
     )
+
+
+@pytest.mark.simulation
+def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
+    from simulations.compare import compare
+
+    fleet = _cnn_fleet({"share": 0.2, "steps": 5})
     out = tmp_path / "out"
     result = compare(
         fleet,
@@ -165,21 +170,7 @@ def test_lr_from_pretrain_needs_candidates(tmp_path):
 def test_compare_trains_each_model_at_its_pretraining_lr(tmp_path):
     from simulations.compare import compare
 
-    fleet = parse_fleet(
-        {
-            "name": "tiny",
-            "clients": 2,
-            "num-server-rounds": 1,
-            "local-steps": 2,
-            "workload": "digits-cnn",
-            "split": "iid",
-            "pretrain": {"share": 0.2, "steps": 5, "lr": [0.001, 0.01]},
-            "classes": [
-                {"name": "small", "share": 0.5, "memory": "110.3MB"},
-                {"name": "large", "share": 0.5, "memory": "1GB"},
-            ],
-        }
-    )
+    fleet = _cnn_fleet({"share": 0.2, "steps": 5, "lr": [0.001, 0.01]})
     out = tmp_path / "out"
     result = compare(
         fleet,
