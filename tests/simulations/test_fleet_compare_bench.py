@@ -73,8 +73,8 @@ def test_fleets_of_both_settings(bench):
     pre = bench.bench_fleet(cfg, "phones", "pretrained")
     scratch = bench.bench_fleet(cfg, "phones", "scratch")
     assert pre.pretrain is not None and pre.pretrain.steps == cfg.pretrain_steps
-    # the default candidates: the fleet's lr (0.003) times 1/30, 1/10, 1/3 and 1
-    assert pre.pretrain.lrs == (0.0001, 0.0003, 0.001, 0.003)
+    # the default candidates: the fleet's lr (0.003) times 1/100, 1/30, 1/10, 1/3
+    assert pre.pretrain.lrs == (0.00003, 0.0001, 0.0003, 0.001)
     given = bench.parse(["--pretrain-lrs", "0.01,0.001,0.001"])
     assert given.pretrain_lrs == (0.001, 0.01)
     assert bench.bench_fleet(given, "phones", "pretrained").pretrain.lrs == (
@@ -137,6 +137,14 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
         },
     }
     result["strategies"]["fleetfit"]["classes"]["lo"]["kinds"] = {"part": 1, "full": 2}
+    # slower still: at 40 s (fleetfit's end) it has done one of its rounds, which
+    # the shortest run's end (20 s) would not separate from fleetfit's first round
+    result["strategies"]["slow"] = _entry(
+        12.0,
+        60.0,
+        [r(1, 30.0, 20.0, 21.0), r(2, 60.0, 12.0, 12.5)],
+        {"lo": (12.5, 1.0), "hi": (12.0, 1.0)},
+    )
     text, checks = bench.tables(result)
     c = dict(checks)
     assert c["fleetfit: 100% of sampled devices contribute"]
@@ -146,7 +154,17 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
     assert c["better than exclude on lo's data, equal simulated time"]  # 31 vs 35
     assert "| lo* |" in text and "| hi |" in text
     assert "30.00 (1)" in text and "15.00 (2)" in text
-    assert "| lo | full 2, part 1 | - |" in text  # the work each class was given
+    assert "| lo | full 2, part 1 | - | - |" in text  # the work each class was given
+    # pair by pair: fleetfit and slow at 40 s (fleetfit 10 after 2 rounds, slow 20
+    # after 1), fleetfit and exclude at 20 s (30 after 1, 15 after 2)
+    assert c["better than slow, overall, equal simulated time"]
+    assert c["better than slow on lo's data, equal simulated time"]  # 11 vs 21
+    assert "| slow | 40 | 10.00 (2) | 20.00 (1) | 11.00 | 21.00 |" in text
+    assert "| exclude | 20 | 30.00 (1) | 15.00 (2) | 31.00 | 35.00 |" in text
+    pairs = bench.pairwise(result["strategies"], "perplexity")
+    assert set(pairs) == {"exclude", "slow"} and pairs["slow"][0] == 40.0
+    result["strategies"]["slow"]["sim_s"] = 0  # trained nothing: no pair
+    assert set(bench.pairwise(result["strategies"], "perplexity")) == {"exclude"}
 
 
 def test_merge_joins_strategies_of_one_fleet(bench, tmp_path):
