@@ -408,12 +408,11 @@ def tables(result: dict[str, Any]) -> tuple[str, list[tuple[str, bool]]]:
         lines += [
             "",
             f"equal simulated time, pair by pair: fleetfit and each strategy at the "
-            f"end of the shorter of their two runs, {metric} (round); "
-            + ", ".join(f"{c}'s data" for c in out_cls),
+            f"end of the shorter of their two runs, {metric} (round)"
+            + ("; " + ", ".join(f"{c}'s data" for c in out_cls) if out_cls else ""),
             "",
-            "| against | at simulated s | fleetfit | other | "
-            + " | ".join(f"{c}: fleetfit | {c}: other" for c in out_cls)
-            + " |",
+            "| against | at simulated s | fleetfit | other |"
+            + "".join(f" {c}: fleetfit | {c}: other |" for c in out_cls),
             "|---|---:|---:|---:|" + "---:|---:|" * len(out_cls),
         ]
         for other, (t_s, ff_at, o_at) in pairs.items():
@@ -424,7 +423,7 @@ def tables(result: dict[str, Any]) -> tuple[str, list[tuple[str, bool]]]:
             lines.append(
                 f"| {other} | {t_s:.0f} | {_f(ff_at['metric'])} "
                 f"({_f(ff_at['round'], 'd')}) | {_f(o_at['metric'])} "
-                f"({_f(o_at['round'], 'd')}) | " + " | ".join(cells) + " |"
+                f"({_f(o_at['round'], 'd')}) |" + "".join(f" {c} |" for c in cells)
             )
     lines += ["", "assignments per class, over all rounds (kind: count)", ""]
     lines += ["| class | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

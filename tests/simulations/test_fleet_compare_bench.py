@@ -165,6 +165,12 @@ def test_tables_at_equal_rounds_and_equal_time(bench):
     assert set(pairs) == {"exclude", "slow"} and pairs["slow"][0] == 40.0
     result["strategies"]["slow"]["sim_s"] = 0  # trained nothing: no pair
     assert set(bench.pairwise(result["strategies"], "perplexity")) == {"exclude"}
+    # without exclude no class is left out: the pair table has no class columns
+    del result["strategies"]["exclude"]
+    result["strategies"]["slow"]["sim_s"] = 60.0
+    text, _ = bench.tables(result)
+    assert "| against | at simulated s | fleetfit | other |\n" in text
+    assert "| slow | 40 | 10.00 (2) | 20.00 (1) |\n" in text
 
 
 def test_merge_joins_strategies_of_one_fleet(bench, tmp_path):
