@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import inspect
 import math
 import os
 import re
 import sys
+import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -585,6 +589,8 @@ def _load_custom(spec: str) -> Workload:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+    if _standard_library(module_name):  # refused before it is imported
+        raise _not_a_workload(spec, f"{module_name} is Python's standard library")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -595,6 +601,7 @@ def _load_custom(spec: str) -> Workload:
     func = getattr(module, func_name, None)
     if not callable(func):
         raise WorkloadError(f"module {module_name!r} has no function {func_name!r}")
+    _check_function(spec, func)
 
     def build() -> tuple[nn.Module, Any, Any, Callable | None]:
         return _check_result(spec, func())
@@ -615,6 +622,62 @@ def _load_custom(spec: str) -> Workload:
         example=(inputs, targets, loss_fn),
         data_fn=_data_fn(module, spec),
     )
+
+
+def _standard_library(module_name: str) -> bool:
+    """Whether ``module_name`` is a module of Python itself (built in, frozen, or a
+    file of the standard library), found without importing it; a user's module that
+    shares a standard name (``code.py`` in the working directory) is not."""
+    top = module_name.split(".")[0]
+    if top in sys.builtin_module_names:
+        return True
+    if top not in sys.stdlib_module_names:
+        return False
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    origin = found.origin if found is not None else None
+    if origin is None or origin in ("built-in", "frozen"):
+        return found is not None
+    where = Path(origin).resolve()
+    if {"site-packages", "dist-packages"} & set(where.parts):
+        return False  # an installed distribution (inside the stdlib folder on some)
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    return any(where.is_relative_to(Path(r).resolve()) for r in roots)
+
+
+def _not_a_workload(spec: str, why: str) -> WorkloadError:
+    return WorkloadError(
+        f"workload {spec!r} is not a workload function ({why}); give a function of "
+        "your own module that takes no arguments and returns (model, (inputs, "
+        "targets), loss_fn), e.g. mypkg.jobs:build"
+    )
+
+
+def _check_function(spec: str, func: Callable[..., Any]) -> None:
+    """Refuse, before it is called, what cannot be a workload function: a built-in, a
+    function of Python's standard library (``mymod:system`` where ``mymod`` imported
+    ``os.system``), or one that needs arguments (a workload function is called with
+    none).
+
+    Raises:
+        WorkloadError: one line naming ``spec``, why and the fix.
+    """
+    target = func.func if isinstance(func, functools.partial) else func
+    if inspect.isbuiltin(target):
+        raise _not_a_workload(spec, "a built-in function")
+    home = getattr(target, "__module__", None)
+    if isinstance(home, str) and home != "__main__" and _standard_library(home):
+        raise _not_a_workload(spec, f"{home} is Python's standard library")
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        raise _not_a_workload(spec, "it has no Python signature") from None
+    try:
+        signature.bind()
+    except TypeError:
+        raise _not_a_workload(spec, f"it takes arguments {signature}") from None
 
 
 def _data_fn(module: Any, spec: str) -> Callable[[int, int], Any] | None:

@@ -62,7 +62,8 @@ def test_module_function_loads_in_a_child_process(user_module):
         ("a:b:c", "malformed workload 'a:b:c'"),
         ("my job:build", "malformed workload"),
         ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
-        ("json:no_such_function", "has no function 'no_such_function'"),
+        ("workloads.models:no_such_function", "has no function 'no_such_function'"),
+        ("json:loads", "json is Python's standard library"),
         ("", "workload must be"),
     ],
 )
