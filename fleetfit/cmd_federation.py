@@ -47,6 +47,7 @@ from fleetfit import proxy
 from fleetfit.args import input_file, output_dir, positive_float
 from server.config import ServerConfig
 from server.loop import no_update_reason
+from server.precheck import check_start
 
 log = logging.getLogger("fleetfit")
 BIN = Path(sys.executable).parent
@@ -448,8 +449,24 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _toml_str(value: str) -> str:
-    return json.dumps(value)  # a TOML basic string
+def _toml_str(value: str, flag: str = "") -> str:
+    """``value`` as a TOML string that Flower's ``--run-config`` / ``--node-config``
+    parser reads back: it splits ``key="..."`` or ``key='...'`` at the first closing
+    quote and knows no escapes, so a ``"`` goes in a literal ``'...'`` string.
+
+    Raises:
+        ValueError: ``value`` holds both quotes, or ``"`` and a control character
+            (naming ``flag``).
+    """
+    if '"' not in value:
+        return json.dumps(value)  # a TOML basic string
+    if "'" not in value and value.isprintable():
+        return f"'{value}'"  # a TOML literal string: no escapes at all
+    raise ValueError(
+        f"{flag or 'value'} {value!r} holds both quote characters (or a quote and a "
+        "control character), which Flower's key=value config cannot carry; give a "
+        "path without them"
+    )
 
 
 # ------------------------------------------------------------------- server
@@ -487,7 +504,7 @@ def server_run_config(args: argparse.Namespace, out: Path) -> str:
     """The ``--run-config`` of ``flwr run``: ``out``, the flags the user gave (a flag
     not given leaves its key to the app's run config, whose defaults are
     ``ServerConfig``'s), ``resume`` if asked, then ``--run-config``'s own keys."""
-    pairs = [f"out={_toml_str(str(out))}"]
+    pairs = [f"out={_toml_str(str(out), '--out')}"]
     for flag, key in RUN_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -602,7 +619,9 @@ def run_server(args: argparse.Namespace) -> int:
         )
     out = Path(args.out).resolve()
     run_config = server_run_config(args, out)
-    num_rounds = check_run_config(run_config).num_server_rounds
+    cfg = check_run_config(run_config)
+    check_start(cfg)  # init-model and --resume state, as the ServerApp reads them
+    num_rounds = cfg.num_server_rounds
     output_dir("--out", args.out)
     if not tls:
         log.warning(
@@ -858,7 +877,7 @@ def run_client(args: argparse.Namespace) -> int:
                 "give a folder you can write (made if missing), or leave "
                 f"--offload-dir out to use {tempfile.gettempdir()}"
             )
-        node.append(f"offload-dir={_toml_str(args.offload_dir)}")
+        node.append(f"offload-dir={_toml_str(args.offload_dir, '--offload-dir')}")
     if args.allow_workloads is not None:
         from client.config import ALLOW_WORKLOADS, allowed_workloads
 

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from memory.lora import factor_shapes, fan_in_fan_out, target_paths
 from memory.sizes import format_bytes
-from server import persist, privacy
+from server import persist, precheck, privacy
 from server.aggregate import (
     Update,
     accept_updates,
@@ -66,7 +66,7 @@ class Federation:
         self.workload = cfg.load_workload()
         self.model = self.workload.make_model(cfg.shape.seed)
         if cfg.init_model:
-            _load_init_model(self.model, cfg.init_model, cfg.shape.workload)
+            precheck.load_init_model(self.model, cfg.init_model, cfg.shape.workload)
         self.out = Path(cfg.out)
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self._class_items: dict[int, Any] | None = None  # class_metrics' data
@@ -219,35 +219,11 @@ class Federation:
         return self.summary
 
     def _resume(self) -> None:
-        saved = persist.load_state(self.out)
+        saved = precheck.load_resume(self.cfg, self.model, self.server_opt)
         if saved is None:
             log.info("resume: no saved state in %s; starting at round 1", self.out)
             return
-        server_round, state, summary, _strategy = saved
-        old = summary.get("config", {})
-        for key in ("workload", "seed", "batch-size", "seq-len", "server-opt"):
-            if key in old and old[key] != self.cfg.to_run_config()[key]:
-                raise ValueError(
-                    f"cannot resume {self.out}: it was run with {key}={old[key]!r}, "
-                    f"this run has {key}={self.cfg.to_run_config()[key]!r}"
-                )
-        try:
-            self.model.load_state_dict(state)
-        except RuntimeError as e:  # keys or shapes of another model
-            raise ValueError(
-                f"cannot resume {self.out}: its saved model does not fit "
-                f"{self.cfg.shape.workload} ({str(e).splitlines()[0][:200]})"
-            ) from None
-        if self.server_opt.active:
-            opt_state = persist.load_server_opt_state(self.out)
-            if opt_state is None:
-                log.warning(
-                    "resume: %s holds no server optimiser state; %s starts afresh",
-                    self.out,
-                    self.cfg.server_opt.name,
-                )
-            else:
-                self.server_opt.load_state_dict(opt_state)
+        server_round, summary = saved
         summary["config"] = self.cfg.to_run_config()
         self.summary = summary
         self.start_round = server_round + 1
@@ -695,30 +671,6 @@ class Federation:
             strategy,
             self.server_opt.state_dict() if self.server_opt.active else None,
         )
-
-
-def _load_init_model(model: torch.nn.Module, path: str, workload: str) -> None:
-    """Start ``model`` from the weights in ``path`` (run-config ``init-model``).
-
-    Raises:
-        ValueError: no such file, not a safetensors file, or another model's keys or
-            shapes (naming the file and the fix).
-    """
-    try:
-        state, _ = persist.load_model(path)
-    except (FileNotFoundError, persist.CheckpointError) as e:
-        raise ValueError(
-            f"run-config init-model={path!r} is invalid: {e}; give a safetensors "
-            "file of this workload's model, or '' to start from scratch"
-        ) from None
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # keys or shapes of another model
-        raise ValueError(
-            f"run-config init-model={path!r} does not fit {workload} "
-            f"({str(e).splitlines()[0][:200]}): give a model of this workload"
-        ) from None
-    log.info("model starts from %s", path)
 
 
 def _trained(updates: list[Update]) -> frozenset[str]:

@@ -39,6 +39,7 @@ from typing import Any
 
 from server.config import AdapterConfig, ExportConfig, FleetConfig, ServerConfig
 from server.fedopt import ServerOptConfig
+from server.precheck import check_start
 from simulations.progress import RoundProgress
 from wire.shape import RunShape
 
@@ -129,6 +130,7 @@ class SimulationSettings:
                     self.num_clients,
                     self.num_clients,
                 )
+        check_start(cfg)  # init-model (and resume) as the ServerApp reads them
         wl = cfg.load_workload()
         # The data must divide across the clients (raises a WorkloadError naming both).
         if fleet.classes and len(fleet.classes) != self.num_clients:
