@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from fleetfit import options as opt
-from fleetfit.args import positive_float
+from fleetfit.args import output_dir, positive_float
 from simulations.run import SimulationSettings, check_ray_address
 from wire.shape import RunShape
 
@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
     )
     settings.validate()  # bad input fails here, before Ray starts
+    output_dir("--out", out)
     print(
         f"fleetfit simulate: {settings.shape.workload}, {settings.num_clients} clients, "
         f"{settings.num_server_rounds} rounds -> {out}",
@@ -214,6 +215,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     for name in names:
         wl = smallest_model(fleet)[0].name if name == "smallest-model" else None
         settings_for(fleet, name, out, workload=wl).validate()
+    output_dir("--out", out)
     print(
         f"fleetfit simulate: fleet {fleet.name} ({fleet.clients} devices, "
         f"{fleet.shape.workload}), {fleet.num_server_rounds} rounds, strategies {', '.join(names)} "

@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -116,12 +118,48 @@ def export_model(
     workloads get ``evaluation: null``. A quantisation that fails leaves
     ``int8: {"error": ...}``.
 
+    The graphs are written in a temporary folder beside ``path`` and moved into
+    place (``os.replace``, a side file before its graph) only when every step
+    passed: a failure leaves no ``.onnx`` of its own, and an earlier export at
+    ``path`` as it was.
+
     Raises:
         ExportError: export failed (naming the operator) or ORT disagrees with torch
             beyond the bound (the report is written first).
     """
     path = Path(path)
     report_path = Path(report_path) if report_path else path.with_name(REPORT_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        report = _export_staged(
+            model,
+            workload,
+            stage / path.name,
+            quantize,
+            report_path,
+            batch_sizes,
+            extra,
+        )
+        # side files (external data) first: a graph never appears without its data
+        files = [f for f in stage.iterdir() if f.is_file() and f.suffix != ".tmp"]
+        for f in sorted(files, key=lambda f: f.suffix == ".onnx"):
+            os.replace(f, path.parent / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return report
+
+
+def _export_staged(
+    model: nn.Module,
+    workload: Workload,
+    path: Path,
+    quantize: bool,
+    report_path: Path,
+    batch_sizes: Sequence[int] | None,
+    extra: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``export_model``'s steps, writing the graphs at ``path`` (in the stage)."""
     t0 = time.perf_counter()
     _, described = export_graph(model, workload, path, None)
     export_s = time.perf_counter() - t0

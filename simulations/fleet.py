@@ -250,9 +250,19 @@ def load_fleet(source: str | Path, **overrides: Any) -> Fleet:
     """
     path = shipped_fleet(str(source))
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FleetError(f"fleet file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise FleetError(
+            f"fleet file {str(path)!r} is not UTF-8 text (byte {e.start}: "
+            f"{e.object[e.start : e.start + 1]!r}); save it as UTF-8 TOML"
+        ) from None
+    except OSError as e:  # a folder, no permission
+        raise FleetError(
+            f"fleet file {str(path)!r} cannot be read ({e.strerror or e}); give a "
+            "readable .toml file"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise FleetError(f"fleet file {str(path)!r} is not valid TOML: {e}") from None
     return parse_fleet(data, file=str(path), **overrides)
