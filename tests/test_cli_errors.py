@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,156 @@ def test_partition_run_device_refused(capsys, no_start, device):
     cluster = "partition/clusters/unequal-4.toml"
     argv = ["partition", "run", "--cluster", cluster, "--device", device]
     refused(capsys, argv, "--device", device)
+
+
+# ------------------------------------------------ issue 32, item 6: bad input, one line
+@pytest.fixture
+def no_simulation(monkeypatch):
+    """Fail the test if a simulation (Ray) starts."""
+    import simulations.compare
+    import simulations.run
+
+    def started(*a, **k):
+        pytest.fail("started a simulation")
+
+    for module, name in (
+        (simulations.run, "simulate"),
+        (simulations.compare, "run_strategy"),
+        (simulations.compare, "compare"),
+    ):
+        monkeypatch.setattr(module, name, started)
+
+
+FLEET = """name = "tiny"
+clients = 2
+workload = "{workload}"
+split = "iid"
+local-steps = 5
+
+[[classes]]
+name = "all"
+share = 1
+memory = "1GB"
+speed = 1
+availability = 1
+"""
+
+
+def not_a_workload_argv(tmp_path, command: str, spec: str) -> list[str]:
+    """``command`` given the workload ``spec`` the way that command takes one."""
+    if command == "memory plan":
+        return ["memory", "plan", "--workload", spec]
+    if command == "export":
+        from server.persist import save_model
+        from workloads import get_workload
+
+        ckpt = tmp_path / "model.safetensors"
+        state = get_workload("digits-mlp").make_model(0).state_dict()
+        save_model(ckpt, state, {"workload": spec})
+        return ["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.onnx")]
+    if command == "simulate --fleet":
+        fleet = tmp_path / "fleet.toml"
+        fleet.write_text(FLEET.format(workload=spec))
+        return ["simulate", "--fleet", str(fleet), "--out", str(tmp_path / "sim")]
+    assert command == "server --run-config"
+    return server(tmp_path, "--run-config", f'workload="{spec}"')
+
+
+@pytest.mark.usefixtures("no_start", "no_simulation")
+@pytest.mark.parametrize(
+    "command", ["memory plan", "export", "simulate --fleet", "server --run-config"]
+)
+def test_a_function_that_is_not_a_workload_is_refused(tmp_path, capsys, command):
+    """``os:system`` was called with no argument (a TypeError traceback); it is
+    refused before it is called, in every command that takes a workload."""
+    argv = not_a_workload_argv(tmp_path, command, "os:system")
+    line = refused(capsys, argv, "'os:system'", "not a workload function")
+    assert "standard library" in line and "mypkg.jobs:build" in line, line
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.usefixtures("no_simulation")
+@pytest.mark.parametrize("fleet", [False, True])
+def test_simulate_out_a_file(tmp_path, capsys, fleet):
+    """A file as ``--out`` was a FileExistsError traceback after Ray started."""
+    file = tmp_path / "notes.txt"
+    file.write_text("keep me\n")
+    head = ["simulate", "--fleet", "phones"] if fleet else ["simulate", "--rounds", "1"]
+    refused(capsys, [*head, "--out", str(file)], "--out", str(file), "give a folder")
+    assert file.read_text() == "keep me\n"
+
+
+def test_simulate_fleet_file_not_utf8(tmp_path, capsys, no_simulation):
+    fleet = tmp_path / "latin1.toml"
+    fleet.write_bytes(FLEET.format(workload="digits-cnn").encode() + b"# caf\xe9\n")
+    line = refused(capsys, ["simulate", "--fleet", str(fleet)], str(fleet), "UTF-8")
+    assert "\\xe9" in line, line
+
+
+def started_node(monkeypatch) -> list[list[str]]:
+    """Replace the SuperNode by one that ends at once; the commands it was given."""
+    commands: list[list[str]] = []
+
+    class Node:
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+        def poll(self) -> int:
+            return 0
+
+    def popen(cmd, *a, **k):
+        commands.append(cmd)
+        return Node()
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return commands
+
+
+def test_client_offload_dir_with_a_quote_reaches_the_node(tmp_path, monkeypatch):
+    """A ``"`` in ``--offload-dir`` broke the ``--node-config`` string (Flower's
+    parser knows no escapes): the SuperNode failed; now the node reads it back."""
+    from flwr.common.config import parse_config_args
+
+    folder = tmp_path / 'my "fast" disk'
+    commands = started_node(monkeypatch)
+    assert main(client("--offload-dir", str(folder))) == 0
+    (cmd,) = commands
+    node_config = cmd[cmd.index("--node-config") + 1]
+    assert parse_config_args([node_config])["offload-dir"] == str(folder)
+
+
+def test_client_offload_dir_with_both_quotes(tmp_path, capsys, no_start):
+    folder = str(tmp_path / 'it\'s "fast"')
+    refused(capsys, client("--offload-dir", folder), "--offload-dir", "quote")
+
+
+def test_a_failed_export_leaves_no_onnx(tmp_path, capsys, monkeypatch):
+    """A check that fails after the graph is written (here ONNX Runtime cannot run
+    it, made so; the exporter itself is replaced by a stub writing the graph) failed
+    the export but left the new ``.onnx`` over the earlier one; now the earlier one
+    stays as it was and nothing else is left."""
+    import server.export
+    from server.export import ExportError
+    from server.persist import save_model
+    from workloads import get_workload
+
+    def graph(model, workload, path, external_data):
+        Path(path).write_bytes(b"a new graph")
+        return Path(path), {}
+
+    def fails(model, workload, path, **k):
+        assert Path(path).read_bytes() == b"a new graph"
+        raise ExportError(f"ONNX Runtime cannot run {Path(path).name}: made to fail")
+
+    monkeypatch.setattr(server.export, "export_graph", graph)
+    monkeypatch.setattr(server.export, "verify", fails)
+    ckpt = tmp_path / "run" / "model.safetensors"
+    state = get_workload("digits-mlp").make_model(0).state_dict()
+    save_model(ckpt, state, {"workload": "digits-mlp"})
+    out = tmp_path / "out" / "m.onnx"
+    out.parent.mkdir()
+    out.write_bytes(b"the export of yesterday")
+    argv = ["export", "--checkpoint", str(ckpt), "--out", str(out), "--quantize"]
+    refused(capsys, argv, "ONNX Runtime cannot run m.onnx")
+    assert out.read_bytes() == b"the export of yesterday"
+    assert [p.name for p in out.parent.iterdir()] == ["m.onnx"]

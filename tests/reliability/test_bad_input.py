@@ -27,6 +27,7 @@ from partition.cluster import Cluster, ClusterError, load_cluster
 from server.aggregate import Update, UpdateRejected, accept_updates, validate_update
 from server.config import ServerConfig
 from server.persist import CheckpointError, load_model, load_state, save_model
+from tests.test_cli_errors import no_start  # noqa: F401  (a fixture)
 from workloads import BUILTIN_WORKLOADS, WorkloadError, get_workload
 
 pytestmark = pytest.mark.timeout(120)  # a parser that hangs on a value fails, fast
@@ -186,6 +187,62 @@ def test_missing_modules_are_a_workload_error(module, function):
     spec = f"zz_fleetfit_missing_{module}:{function}"  # never an installed module
     with pytest.raises(WorkloadError, match="cannot import module"):
         get_workload(spec)
+
+
+USER_MODULE = """
+import functools
+from os import system
+
+import torch
+
+CALLS = []
+
+
+def needs(x):
+    CALLS.append(x)
+
+
+def build(width=4):
+    CALLS.append("build")
+    batch = (torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
+    return torch.nn.Linear(2, width), batch, torch.nn.functional.cross_entropy
+
+
+small = functools.partial(build, width=3)
+"""
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("os:system", "os is Python's standard library"),
+        ("builtins:print", "builtins is Python's standard library"),
+        ("code:interact", "code is Python's standard library"),  # would read stdin
+        ("ff_user_jobs:system", "a built-in function"),  # os.system imported
+        ("ff_user_jobs:needs", "it takes arguments (x)"),
+        ("numpy:zeros", "a built-in function"),
+    ],
+)
+def test_a_function_that_is_not_a_workload_is_not_called(
+    tmp_path, monkeypatch, spec, why
+):
+    """``os:system`` was called with no argument (a ``TypeError`` traceback in every
+    command): what cannot be a workload function is refused before the call."""
+    (tmp_path / "ff_user_jobs.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadError) as e:
+        get_workload(spec)
+    assert f"workload {spec!r} is not a workload function ({why})" in str(e.value)
+    import ff_user_jobs
+
+    assert ff_user_jobs.CALLS == []
+
+
+def test_workload_functions_with_defaults_and_partials_load(tmp_path, monkeypatch):
+    (tmp_path / "ff_user_jobs2.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert get_workload("ff_user_jobs2:build").make_model().out_features == 4
+    assert get_workload("ff_user_jobs2:small").make_model().out_features == 3
 
 
 # ---------------------------------------------------------------- cluster files
@@ -464,6 +521,129 @@ def test_the_undamaged_state_folder_resumes(run_folder, tmp_path):
     assert saved is not None and saved[0] == 1
     assert set(saved[1]) == set(get_workload("digits-cnn").make_model(0).state_dict())
     assert [r["round"] for r in saved[2]["rounds"]] == [1]
+
+
+STATE_DAMAGE_BY_COMMAND = {
+    **STATE_DAMAGE,
+    "model of another workload": lambda s: save_model(
+        s / "model-000001.safetensors",
+        get_workload("digits-mlp").make_model(0).state_dict(),
+        {"round": "1"},
+    ),
+}
+"""``STATE_DAMAGE``, and a model file that loads but is not this workload's."""
+
+
+@pytest.mark.usefixtures("no_start")
+@pytest.mark.parametrize(
+    "damage, flags, needles",
+    [
+        *((d, [], ["state", "move it away"]) for d in sorted(STATE_DAMAGE)),
+        (
+            "model of another workload",
+            [],
+            ["does not fit digits-cnn", "Missing key(s)"],
+        ),
+        (None, ["--workload", "digits-mlp"], ["workload='digits-cnn'", "--out"]),
+        (None, ["--seed", "3"], ["seed=0", "seed=3"]),
+    ],
+)
+def test_the_server_command_refuses_a_bad_resume_before_it_starts(
+    run_folder, tmp_path, capsys, damage, flags, needles
+):
+    """Found by ``fleetfit server`` before the SuperLink starts, as one line naming
+    the file or setting and the fix; it was a relayed ServerApp traceback after
+    30-45 s, with ``flwr run exit 0`` last."""
+    import shutil
+
+    from tests.test_cli_errors import refused
+
+    out = tmp_path / "run"
+    shutil.copytree(run_folder, out)
+    if damage is not None:
+        STATE_DAMAGE_BY_COMMAND[damage](out / "state")
+    before = digest(out)
+    argv = ["server", "--out", str(out), "--resume", *flags]
+    line = refused(capsys, argv, *needles)
+    assert str(out) in line, line
+    assert digest(out) == before
+
+
+def test_the_undamaged_state_folder_passes_the_command_check(run_folder, tmp_path):
+    import shutil
+
+    from server.precheck import check_start
+    from tests.server.test_federation import config
+
+    shutil.copytree(run_folder, tmp_path / "run")
+    check_start(config(tmp_path, num_server_rounds=2, resume=True))  # no error
+
+
+def init_models(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Bad ``init-model`` files for digits-cnn, and what the error says of each."""
+    state = get_workload("digits-cnn").make_model(0).state_dict()
+    nan = {k: v.clone() for k, v in state.items()}
+    nan["0.0.bias"][3] = math.nan
+    inf = {k: v.clone() for k, v in state.items()}
+    inf["3.weight"][0, 0] = -math.inf
+    files = {
+        "nan": (nan, "'0.0.bias' holds 1 NaN or infinite"),
+        "inf": (inf, "'3.weight' holds 1 NaN or infinite"),
+        "other workload": (
+            get_workload("digits-mlp").make_model(0).state_dict(),
+            "does not fit digits-cnn",
+        ),
+        "other shapes": (
+            get_workload("digits-cnn@0.5").make_model(0).state_dict(),
+            "size mismatch",
+        ),
+    }
+    out: dict[str, tuple[Path, str]] = {}
+    for name, (tensors, needle) in files.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.safetensors"
+        save_model(path, tensors, {})
+        out[name] = (path, needle)
+    (tmp_path / "pickle.safetensors").write_bytes(pickle.dumps({"w": [1]}))
+    out["not safetensors"] = (tmp_path / "pickle.safetensors", "never pickle")
+    out["missing"] = (tmp_path / "none.safetensors", "no model file")
+    return out
+
+
+INIT_MODELS = ["nan", "inf", "other workload", "other shapes", "not safetensors"]
+
+
+@pytest.mark.usefixtures("no_start")
+@pytest.mark.parametrize("bad", [*INIT_MODELS, "missing"])
+def test_the_server_command_refuses_a_bad_init_model_before_it_starts(
+    tmp_path, capsys, bad
+):
+    from tests.test_cli_errors import refused
+
+    path, needle = init_models(tmp_path)[bad]
+    argv = ["server", "--out", str(tmp_path / "run")]
+    line = refused(capsys, [*argv, "--run-config", f'init-model="{path}"'], needle)
+    assert f"init-model={str(path)!r}" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("bad", INIT_MODELS)
+def test_the_server_app_and_simulate_refuse_a_bad_init_model(tmp_path, bad):
+    """The ServerApp itself (``Federation``) and ``fleetfit simulate``'s check before
+    Ray refuse what the command refuses: a NaN model was accepted."""
+    from server.app import FlowerTransport
+    from server.loop import Federation
+    from simulations.run import SimulationSettings
+    from tests.server.grid import FakeGrid
+    from tests.server.test_federation import config, nodes
+
+    path, needle = init_models(tmp_path)[bad]
+    cfg = config(tmp_path, init_model=str(path))
+    with pytest.raises(ValueError, match=needle):
+        Federation(cfg, FlowerTransport(FakeGrid(nodes(1)), query_config={}))
+    settings = SimulationSettings(num_clients=2, init_model=str(path), out=cfg.out)
+    with pytest.raises(ValueError, match=needle):
+        settings.validate()
+    assert not Path(cfg.out).exists()
 
 
 # ---------------------------------------------------------------- reply metrics
