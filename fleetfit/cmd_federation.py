@@ -18,7 +18,10 @@ both run insecure, with a warning; with ``--ssl-*`` (server) and
 with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
 join. The SuperLink listens on loopback only; ``--public HOST:PORT`` lets other
 machines in through nginx, which forwards only the Fleet API (``fleetfit/proxy.py``).
-The exact Flower commands are in the README's Deploy section.
+A busy port is refused before anything starts (``fleetfit/ports.py``); every process
+the server runs is started by a supervisor that stops them all when the command ends,
+however it ends (``fleetfit/supervise.py``). The exact Flower commands are in the
+README's Deploy section.
 """
 
 from __future__ import annotations
