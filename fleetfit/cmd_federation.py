@@ -18,7 +18,10 @@ both run insecure, with a warning; with ``--ssl-*`` (server) and
 with ``--register KEY.pub`` lets only registered SuperNodes (``--auth-private-key``)
 join. The SuperLink listens on loopback only; ``--public HOST:PORT`` lets other
 machines in through nginx, which forwards only the Fleet API (``fleetfit/proxy.py``).
-The exact Flower commands are in the README's Deploy section.
+A busy port is refused before anything starts (``fleetfit/ports.py``); every process
+the server runs is started by a supervisor that stops them all when the command ends,
+however it ends (``fleetfit/supervise.py``). The exact Flower commands are in the
+README's Deploy section.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -43,7 +45,7 @@ from typing import IO, Annotated
 import typer
 
 from fleetfit import options as opt
-from fleetfit import proxy
+from fleetfit import ports, proxy, supervise
 from fleetfit.args import input_file, output_dir, positive_float
 from server.config import ServerConfig
 from server.loop import no_update_reason
@@ -334,16 +336,19 @@ def _env(flwr_home: Path) -> dict[str, str]:
     )
 
 
-def _start(args: list[str], env: dict[str, str], logfile: Path) -> subprocess.Popen:
-    # Same process group as this command: whoever stops the group (Ctrl-C, a
-    # supervisor, a test) stops the Flower process too, even if this one is killed.
-    out = open(logfile, "wb")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+def _start(
+    sup: supervise.Supervisor, args: list[str], env: dict[str, str], logfile: Path
+) -> supervise.Child:
+    # Started by the supervisor, in its session: a signal meant for this command's
+    # process group (Ctrl-C) reaches this command only, which stops it in order;
+    # if this command dies, the supervisor stops it (fleetfit/supervise.py).
+    return sup.spawn(Path(args[0]).name, args, env, log=logfile)
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+def stop(proc: supervise.Child | subprocess.Popen, timeout_s: float = 15.0) -> None:
     """Stop a Flower process: SIGTERM, then SIGKILL. Its own children (superexec,
-    serverapp, clientapp) watch their parent's pid and exit after it."""
+    serverapp, clientapp) watch their parent's pid and exit after it; the
+    supervisor stops whatever is left when the command ends."""
     if proc.poll() is None:
         proc.terminate()
     try:
@@ -354,22 +359,61 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
 
 
 def wait_healthy(
-    host: str, port: int, ca: str | None, timeout_s: float, proc: subprocess.Popen
+    host: str, port: int, ca: str | None, timeout_s: float, proc: supervise.Child
 ) -> None:
+    """Wait until the SuperLink ``proc`` answers its health check on ``host:port``,
+    and check that the answer is its own: every socket listening there belongs to
+    ``proc`` (``ports.not_owned``). A second SuperLink on a port already taken fails
+    to bind while the first one answers.
+
+    Raises:
+        ConnectionError: another process holds the port (named).
+        RuntimeError: the SuperLink exited.
+        TimeoutError: no answer within ``timeout_s``.
+    """
     scheme = "https" if ca else "http"
     context = ssl.create_default_context(cafile=ca) if ca else None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            held = ports.holder(host, port)
+            if held:
+                raise ConnectionError(_taken(host, port, f"it is held by {held}"))
             raise RuntimeError(f"the SuperLink exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(
                 f"{scheme}://{host}:{port}/health", timeout=2, context=context
             ):
-                return
+                pass
         except OSError:
             time.sleep(0.3)
+            continue
+        check_superlink_is_ours(host, port, proc)
+        return
     raise TimeoutError(f"the SuperLink on {host}:{port} was not up in {timeout_s} s")
+
+
+def check_superlink_is_ours(host: str, port: int, proc: supervise.Child) -> None:
+    """Before anything is sent to the SuperLink's Control API (keys, ``flwr run``):
+    it is the one this command started, alive, and nothing else listens there.
+
+    Raises:
+        ConnectionError: another process holds the port.
+        RuntimeError: the SuperLink exited.
+    """
+    if proc.poll() is not None:
+        raise RuntimeError(f"the SuperLink exited with code {proc.returncode}")
+    problem = ports.not_owned(host, port, [proc.pid])
+    if problem is not None:
+        raise ConnectionError(_taken(host, port, problem))
+
+
+def _taken(host: str, port: int, held: str) -> str:
+    return (
+        f"the SuperLink this command started could not serve {host}:{port}: {held}; "
+        "nothing was sent to it; stop that process, or give another port, e.g. "
+        f"--port {ports.free_port_near(host, port)}"
+    )
 
 
 def _check_tls(files: dict[str, str | None]) -> bool:
@@ -598,6 +642,61 @@ def check_exposure(args: argparse.Namespace, tls: bool) -> tuple[str, int] | Non
     return public
 
 
+def check_run_folder_free(args: argparse.Namespace) -> None:
+    """Before anything starts or is read from ``--out``: no earlier ``fleetfit
+    server`` of the run folder still runs (its processes, recorded in the folder's
+    ``supervise.LOCK_NAME``, alive), which would write the same folder, or be
+    resumed twice.
+
+    Raises:
+        ValueError: one line naming the run folder, the processes, the fix.
+    """
+    out = Path(args.out).expanduser()
+    alive = supervise.survivors(out / supervise.LOCK_NAME)
+    if alive:
+        words = {"command": "fleetfit server", "supervisor": "its supervisor"}
+        running = ", ".join(
+            f"pid {pid} ({words.get(role, what)})" for pid, role, what in alive
+        )
+        command = [pid for pid, role, _ in alive if role == "command"]
+        sup = [pid for pid, role, _ in alive if role == "supervisor"]
+        if command:
+            how = f"stop that server first (Ctrl-C there, or kill {command[0]})"
+        elif sup:
+            how = f"stop them first: kill {sup[0]} (their supervisor stops the rest)"
+        else:
+            how = "stop them first: kill " + " ".join(str(p) for p, _, _ in alive)
+        flag = "--resume --out" if args.resume else "--out"
+        raise ValueError(
+            f"{flag} {args.out}: an earlier fleetfit server of this run folder "
+            f"still runs: {running}; {how}, or give another --out"
+        )
+
+
+def check_ports_free(args: argparse.Namespace, public: tuple[str, int] | None) -> None:
+    """Before anything starts: the SuperLink's port, and ``--public``'s, are free.
+
+    Raises:
+        ValueError: one line naming the port, what holds it, a free one.
+    """
+    held = ports.holder(args.host, args.port)
+    if held:
+        skip = [public[1]] if public else []
+        raise ValueError(
+            f"--port {args.port}: {args.host}:{args.port} is in use by {held}; stop "
+            f"it, or give a free port, e.g. --port "
+            f"{ports.free_port_near(args.host, args.port, skip)}"
+        )
+    if public:
+        held = ports.holder(public[0], public[1])
+        if held:
+            example = ports.free_port_near(public[0], public[1], [args.port])
+            raise ValueError(
+                f"--public {args.public}: port {public[1]} is in use by {held}; stop "
+                f"it, or give a free port, e.g. --public {public[0]}:{example}"
+            )
+
+
 def run_server(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     tls = _check_tls(
@@ -618,10 +717,12 @@ def run_server(args: argparse.Namespace) -> int:
             "source checkout"
         )
     out = Path(args.out).resolve()
+    check_run_folder_free(args)
     run_config = server_run_config(args, out)
     cfg = check_run_config(run_config)
     check_start(cfg)  # init-model and --resume state, as the ServerApp reads them
     num_rounds = cfg.num_server_rounds
+    check_ports_free(args, public)
     output_dir("--out", args.out)
     if not tls:
         log.warning(
@@ -633,71 +734,81 @@ def run_server(args: argparse.Namespace) -> int:
             "--public without --enable-supernode-auth: any device that holds the CA "
             "certificate can join as a SuperNode and receive the model"
         )
-    work = Path(tempfile.mkdtemp(prefix="fleetfit-server-"))
-    link_home, cli_home = work / "link", work / "cli"
-    link_home.mkdir()
-    cli_home.mkdir()
-    # The SuperLink's own TLS files: the operator's, or (behind nginx) those of a
-    # loopback CA made for this start, which nginx and the operator's `flwr` verify.
-    link_tls: tuple[str, str, str] | None = None
-    nginx_cmd: list[str] | None = None
-    if public:
-        ca, cert, key = proxy.loopback_certificates(work / "loopback", args.host)
-        link_tls = (str(cert), str(key), str(ca))
-        config = proxy.nginx_config(
-            public=public,
-            certfile=str(Path(args.ssl_certfile).resolve()),
-            keyfile=str(Path(args.ssl_keyfile).resolve()),
-            upstream=(args.host, args.port),
-            upstream_ca=ca,
-            work=work / "nginx",
-            logs=out,
-        )
-        nginx_cmd = proxy.prepare_nginx(proxy.find_nginx(), config, work / "nginx", out)
-    elif tls:
-        link_tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
-    cmd = [
-        str(BIN / "flower-superlink"),
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--database",
-        str(superlink_database(args.database, work)),
-        "--disable-runtime-dependency-installation",
-    ]
-    if link_tls:
-        cmd += ["--ssl-certfile", link_tls[0], "--ssl-keyfile", link_tls[1]]
-        cmd += ["--ssl-ca-certfile", link_tls[2]]
-    else:
-        cmd.append("--insecure")
-    if args.enable_supernode_auth:
-        cmd.append("--enable-supernode-auth")
-    conn = [f"address = {_toml_str(f'{args.host}:{args.port}')}"]
-    if link_tls:
-        ca_path = str(Path(link_tls[2]).resolve())
-        conn.append(f"root-certificates = {_toml_str(ca_path)}")
-    else:
-        conn.append("insecure = true")
-    (cli_home / "config.toml").write_text(
-        '[superlink]\ndefault = "fleetfit"\n\n[superlink.fleetfit]\n'
-        + "\n".join(conn)
-        + "\n"
-    )
-    superlink = _start(cmd, _env(link_home), out / "superlink.log")
-    nginx: subprocess.Popen | None = None
-    say = "fleetfit server:"
-    print(
-        f"{say} SuperLink (Fleet, Control and Runtime APIs) on {args.host}:{args.port}"
-        f"{', TLS' if link_tls else ''}, loopback only",
-        file=sys.stderr,
-    )
+    # Every process from here on is started by the supervisor, which stops them all
+    # and removes its work folder when this command ends, however it ends
+    # (fleetfit/supervise.py); the finally below stops them in order first.
+    sup = supervise.Supervisor(lock=out / supervise.LOCK_NAME)
+    superlink: supervise.Child | None = None
+    nginx: supervise.Child | None = None
     try:
+        work = sup.work
+        link_home, cli_home = work / "link", work / "cli"
+        link_home.mkdir()
+        cli_home.mkdir()
+        # The SuperLink's own TLS files: the operator's, or (behind nginx) those of
+        # a loopback CA made for this start, which nginx and the operator's `flwr`
+        # verify.
+        link_tls: tuple[str, str, str] | None = None
+        nginx_cmd: list[str] | None = None
+        if public:
+            ca, cert, key = proxy.loopback_certificates(work / "loopback", args.host)
+            link_tls = (str(cert), str(key), str(ca))
+            config = proxy.nginx_config(
+                public=public,
+                certfile=str(Path(args.ssl_certfile).resolve()),
+                keyfile=str(Path(args.ssl_keyfile).resolve()),
+                upstream=(args.host, args.port),
+                upstream_ca=ca,
+                work=work / "nginx",
+                logs=out,
+            )
+            nginx_cmd = proxy.prepare_nginx(
+                proxy.find_nginx(), config, work / "nginx", out
+            )
+        elif tls:
+            link_tls = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
+        cmd = [
+            str(BIN / "flower-superlink"),
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--database",
+            str(superlink_database(args.database, work)),
+            "--disable-runtime-dependency-installation",
+        ]
+        if link_tls:
+            cmd += ["--ssl-certfile", link_tls[0], "--ssl-keyfile", link_tls[1]]
+            cmd += ["--ssl-ca-certfile", link_tls[2]]
+        else:
+            cmd.append("--insecure")
+        if args.enable_supernode_auth:
+            cmd.append("--enable-supernode-auth")
+        conn = [f"address = {_toml_str(f'{args.host}:{args.port}')}"]
+        if link_tls:
+            ca_path = str(Path(link_tls[2]).resolve())
+            conn.append(f"root-certificates = {_toml_str(ca_path)}")
+        else:
+            conn.append("insecure = true")
+        (cli_home / "config.toml").write_text(
+            '[superlink]\ndefault = "fleetfit"\n\n[superlink.fleetfit]\n'
+            + "\n".join(conn)
+            + "\n"
+        )
+        superlink = _start(sup, cmd, _env(link_home), out / "superlink.log")
+        say = "fleetfit server:"
+        print(
+            f"{say} SuperLink (Fleet, Control and Runtime APIs) on "
+            f"{args.host}:{args.port}{', TLS' if link_tls else ''}, loopback only",
+            file=sys.stderr,
+        )
+        # Answers only from the SuperLink started here count (wait_healthy), and it
+        # is checked again before each use of its Control API below.
         wait_healthy(
             args.host, args.port, link_tls[2] if link_tls else None, 60.0, superlink
         )
         if public and nginx_cmd:
-            nginx = proxy.start_nginx(nginx_cmd, out)  # once the SuperLink answers
+            nginx = proxy.start_nginx(sup, nginx_cmd, out)  # once the SuperLink answers
             proxy.wait_listening(public, nginx, 30.0, out / "proxy.log")
             print(
                 f"{say} nginx on {args.public} (TLS, {args.ssl_certfile}) forwards "
@@ -712,20 +823,20 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         for key in args.register:  # the Control API, on loopback
-            done = subprocess.run(
+            check_superlink_is_ours(args.host, args.port, superlink)
+            code, said = sup.run(
+                "flwr supernode register",
                 [str(BIN / "flwr"), "supernode", "register", key, "fleetfit"],
-                env=_env(cli_home),
-                capture_output=True,
-                text=True,
-                timeout=120,
+                _env(cli_home),
+                timeout_s=120,
             )
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"registering {key} failed: {done.stdout}{done.stderr}"
-                )
+            if code != 0:
+                raise RuntimeError(f"registering {key} failed: {said}")
             print(f"registered SuperNode key {key}", file=sys.stderr)
         print(f"{say} run config {run_config}", file=sys.stderr)
+        check_superlink_is_ours(args.host, args.port, superlink)
         returncode = _flwr_run(
+            sup,
             [
                 str(BIN / "flwr"),
                 "run",
@@ -750,30 +861,43 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         if nginx is not None:
             stop(nginx)
-        stop(superlink)
-        shutil.rmtree(work / "loopback", ignore_errors=True)  # its private key
+        if superlink is not None:
+            stop(superlink)
+        sup.close()  # whatever is left; the work folder, with the loopback CA's key
 
 
 def _flwr_run(
-    cmd: list[str], env: dict[str, str], out: Path, num_rounds: int, bar: bool = True
+    sup: supervise.Supervisor,
+    cmd: list[str],
+    env: dict[str, str],
+    out: Path,
+    num_rounds: int,
+    bar: bool = True,
 ) -> int:
-    """Run ``flwr run --stream`` to its end with a progress bar that follows the run
-    folder's summary (``simulations.progress``); the run's streamed logs are read
-    line by line and printed above the bar. Returns its exit code; stops it on
-    Ctrl-C or SIGTERM."""
+    """Run ``flwr run --stream`` (started by the supervisor) to its end with a
+    progress bar that follows the run folder's summary (``simulations.progress``);
+    the run's streamed logs are read line by line from a pipe and printed above the
+    bar. Returns its exit code; stops it on Ctrl-C or SIGTERM."""
     from simulations.progress import RoundProgress
 
     progress = RoundProgress(out / "summary.json", num_rounds, bar=bar)
-    proc = subprocess.Popen(
-        cmd,
-        env=dict(env, PYTHONUNBUFFERED="1"),  # lines as they come, not in blocks
-        cwd=APP_DIR,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    relay = threading.Thread(target=_relay_lines, args=(proc.stdout,), daemon=True)
+    read_end, write_end = os.pipe()
+    try:
+        proc = sup.spawn(
+            "flwr run",
+            cmd,
+            dict(env, PYTHONUNBUFFERED="1"),  # lines as they come, not in blocks
+            stdout=write_end,
+            cwd=APP_DIR,
+        )
+    except BaseException:
+        os.close(read_end)
+        progress.close()
+        raise
+    finally:
+        os.close(write_end)
+    stream = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
+    relay = threading.Thread(target=_relay_lines, args=(stream,), daemon=True)
     relay.start()
     try:
         returncode = proc.wait()
@@ -782,6 +906,8 @@ def _flwr_run(
     finally:
         stop(proc)
         progress.close()
+        if not relay.is_alive():
+            stream.close()
 
 
 def _relay_lines(stream: IO[str] | None) -> None:

@@ -12,8 +12,9 @@ routes of one server on one port (``/v1/fleet/...``, ``/v1/control/...``,
 whoever reaches that port with the CA certificate controls the federation. So the
 SuperLink stays on loopback, and devices reach it through nginx, which terminates
 their TLS and passes on ``POST`` to the twelve Fleet routes below and nothing else
-(403). nginx runs as this command's child, with a config and logs of its own, no
-system service; as root its workers drop to nginx's default unprivileged user.
+(403). nginx runs as a child of the command's process supervisor
+(``fleetfit.supervise``), with a config and logs of its own, no system service; as
+root its workers drop to nginx's default unprivileged user.
 
 Flower refuses SuperNode authentication without TLS, so the loopback SuperLink gets
 TLS too, from a certificate authority generated for this one start
@@ -31,6 +32,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleetfit import ports
+
+if TYPE_CHECKING:
+    from fleetfit.supervise import Child, Supervisor
 
 # The Fleet API's routes in flwr 1.42 (flwr/superlink/routers/fleet/router.py, what
 # flwr/supernode/fleet_http_client.py calls), all POST under FLEET_PREFIX.
@@ -260,20 +267,23 @@ def prepare_nginx(nginx: str, config: str, work: Path, logs: Path) -> list[str]:
     return cmd
 
 
-def start_nginx(cmd: list[str], logs: Path) -> subprocess.Popen:
-    """Start nginx (``prepare_nginx``'s command); its output joins its error log."""
-    # Same process group as this command, like the SuperLink (see cmd_federation).
-    out = open(logs / "proxy.log", "ab")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+def start_nginx(sup: Supervisor, cmd: list[str], logs: Path) -> Child:
+    """Start nginx (``prepare_nginx``'s command) through the server's supervisor,
+    like the SuperLink (``fleetfit.supervise``); its output joins its error log."""
+    return sup.spawn(
+        "nginx", cmd, dict(os.environ), log=logs / "proxy.log", append=True
+    )
 
 
 def wait_listening(
-    public: tuple[str, int], proc: subprocess.Popen, timeout_s: float, log: Path
+    public: tuple[str, int], proc: Child, timeout_s: float, log: Path
 ) -> None:
-    """Wait until nginx accepts connections on ``public``.
+    """Wait until nginx accepts connections on ``public``, and check that what
+    listens there is this nginx (``ports.not_owned``).
 
     Raises:
         RuntimeError: nginx exited (the last line of its log says why).
+        ConnectionError: another process listens on ``public``.
         TimeoutError: nothing listened within ``timeout_s``.
     """
     host, port = public
@@ -292,7 +302,15 @@ def wait_listening(
             )
         try:
             with socket.create_connection((host, port), timeout=1):
-                return
+                pass
         except OSError:
             time.sleep(0.2)
+            continue
+        problem = ports.not_owned(public[0], port, [proc.pid])
+        if problem is not None:
+            raise ConnectionError(
+                f"--public {public[0]}:{port}: {problem}, not by the nginx this "
+                "command started; stop that process, or give another --public port"
+            )
+        return
     raise TimeoutError(f"nginx was not listening on {host}:{port} in {timeout_s} s")

@@ -1,6 +1,8 @@
 """``fleetfit server`` / ``fleetfit client`` on loopback: three budgets, one node killed
 mid-run, the server killed and resumed; TLS with SuperNode authentication refusing an
-unregistered node. Every process started here is stopped (process groups)."""
+unregistered node; one server per port and run folder, and nothing a server started
+outlives it, however it ends. Every process started here is stopped (process
+groups)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -91,8 +94,12 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
         wait_for(lambda: rounds_done(out) >= 1, 300, "round 1 never completed")
         os.killpg(clients[2].pid, signal.SIGKILL)  # a device dies in round 2
         wait_for(lambda: rounds_done(out) >= 2, 300, "round 2 never completed")
-        os.killpg(server.pid, signal.SIGTERM)  # the server dies after round 2
+        tree = below(server.pid)
+        work = work_folder(tree)
+        os.kill(server.pid, signal.SIGTERM)  # the server dies after round 2
         server.wait(timeout=60)
+        # and takes along everything it started (issue 32, item 3)
+        assert left_after(tree, work, 5.0) == []
         assert rounds_done(out) == 2
         summary = json.loads((out / "summary.json").read_text())
         r1, r2 = summary["rounds"]
@@ -175,6 +182,154 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
     theirs, _ = load_model(ref / "model.safetensors")
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+# The ways a server ends: each must leave nothing it started alive (issue 32, item
+# 3); SIGTERM is test_three_budgets_one_killed_then_server_killed_and_resumed's.
+ENDS = {
+    "SIGKILL": lambda pid: os.kill(pid, signal.SIGKILL),
+    "SIGKILL of its process group": lambda pid: os.killpg(pid, signal.SIGKILL),
+    "SIGINT": lambda pid: os.kill(pid, signal.SIGINT),
+}
+
+
+def below(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def program(proc: psutil.Process) -> str:
+    try:
+        return " ".join(Path(w).name for w in proc.cmdline()[:2])
+    except psutil.Error:
+        return ""
+
+
+def work_folder(tree: list[psutil.Process]) -> Path:
+    """A server's work folder: where its SuperLink keeps its database."""
+    (link,) = [p for p in tree if "flower-superlink" in program(p)]
+    cmdline = link.cmdline()
+    work = Path(cmdline[cmdline.index("--database") + 1]).parent
+    assert work.is_dir() and work.name.startswith("fleetfit-server-"), work
+    return work
+
+
+def left_after(tree: list[psutil.Process], work: Path, seconds: float) -> list[str]:
+    """What of ``tree`` and ``work`` is still there after up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [program(p) for p in tree if running(p)]
+        left += [str(work)] if work.exists() else []
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def in_process_refusal(monkeypatch, capsys, argv: list[str]) -> str:
+    """``fleetfit server`` run in this process, nothing allowed to start: its one
+    line of refusal."""
+    from fleetfit import cmd_federation
+    from fleetfit.cli import main
+
+    def started(*a, **k):
+        pytest.fail(f"started a process: {a[0] if a else k}")
+
+    monkeypatch.setattr(cmd_federation, "_exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(cmd_federation, "_start", started)
+    monkeypatch.setattr(cmd_federation.supervise, "Supervisor", started)
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if x.startswith("fleetfit server: error:")]
+    return line
+
+
+def test_one_server_per_port_and_nothing_outlives_it(tmp_path, monkeypatch, capsys):
+    """Three servers, each waiting for a node with its whole process tree up
+    (SuperLink, SuperExec, ServerApp, ``flwr run``). A second server on the first
+    one's port, and a ``--resume`` of its run folder, are refused before anything
+    starts, naming what holds them. Then each server ends its own way (``ENDS``):
+    within 5 s of its end no process it started is alive and its work folder is
+    gone."""
+    procs = Processes(tmp_path)
+    servers: dict[str, tuple[int, Path, subprocess.Popen]] = {}
+    seen: dict[str, list[psutil.Process]] = {}
+    try:
+        for i, end in enumerate(ENDS):
+            port, out = free_port(), tmp_path / f"run{i}"
+            args = [*FLEETFIT, "server", "--port", str(port), "--out", str(out)]
+            args += ["--workload", "digits-mlp", "--rounds", "2", "--min-nodes", "1"]
+            servers[end] = port, out, procs.start(f"server{i}", args, env())
+
+        def up(server: subprocess.Popen) -> bool:
+            return server.poll() is not None or any(
+                "flwr-serverapp" in program(p) for p in below(server.pid)
+            )
+
+        wait_for(lambda: all(up(s) for _, _, s in servers.values()), 300, "no tree")
+        for i, (_, _, server) in enumerate(servers.values()):
+            assert server.poll() is None, (tmp_path / f"server{i}.log").read_text()
+        seen = {end: below(server.pid) for end, (_, _, server) in servers.items()}
+
+        # Item 2: a second server on a busy port; a --resume of a running run.
+        port, out, server = servers["SIGKILL"]
+        (link,) = [p for p in seen["SIGKILL"] if "flower-superlink" in program(p)]
+        line = in_process_refusal(
+            monkeypatch,
+            capsys,
+            ["server", "--port", str(port), "--out", str(tmp_path / "second")],
+        )
+        assert f"--port {port}: 127.0.0.1:{port} is in use by pid {link.pid} " in line
+        assert f"(flower-superlink --host 127.0.0.1 --port {port} " in line, line
+        assert f"started by fleetfit server pid {server.pid})" in line, line
+        assert not (tmp_path / "second").exists()
+        line = in_process_refusal(
+            monkeypatch,
+            capsys,
+            ["server", "--resume", "--out", str(out), "--port", str(free_port())],
+        )
+        assert f"pid {server.pid} (fleetfit server)" in line, line
+        assert f"pid {link.pid} (flower-superlink)" in line, line
+
+        # Item 3: each server ends its own way.
+        works = {end: work_folder(tree) for end, tree in seen.items()}
+        for end, (_, _, server) in servers.items():
+            ENDS[end](server.pid)
+        ended: dict[str, float] = {}
+        clean: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while len(clean) < len(servers) and time.monotonic() < deadline:
+            for end, (_, _, server) in servers.items():
+                if end not in ended and server.poll() is not None:
+                    ended[end] = time.monotonic()
+                if end in ended and end not in clean:
+                    if not works[end].exists() and not any(map(running, seen[end])):
+                        clean[end] = time.monotonic()
+            time.sleep(0.05)
+        left = {
+            end: [program(p) for p in tree if running(p)] for end, tree in seen.items()
+        }
+        for end in servers:
+            assert end in ended, f"the server did not end after {end}"
+            assert end in clean, (end, left[end], works[end].exists())
+            assert clean[end] - ended[end] <= 5.0, (end, clean[end] - ended[end])
+            assert not (servers[end][1] / "server-processes.json").exists(), end
+    finally:
+        procs.stop()
+        for tree in seen.values():  # whatever an old server left behind
+            for p in tree:
+                if running(p):
+                    p.kill()
 
 
 REFERENCE = """
