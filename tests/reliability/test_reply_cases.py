@@ -19,6 +19,7 @@ import pytest
 from flwr.app import Array
 
 from server import persist
+from server.fedopt import ServerOptConfig
 from server.loop import Federation
 from tests.reliability.hostile import (
     HostileTransport,
@@ -173,22 +174,38 @@ def test_a_claim_of_1e15_examples_is_capped(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "num_honest, clip, steps",
-    [(3, "median", 0.2), (1, "median", -1 / 3), (3, "off", -3.36), (1, "off", -6.27)],
+    "num_honest, clip, how, steps",
+    [
+        (3, "median", "mean", 0.2),
+        (1, "median", "mean", -1 / 3),
+        (3, "off", "mean", -3.36),
+        (1, "off", "mean", -6.27),
+        (3, "median", "trimmed-mean", 0.5),
+        (3, "off", "trimmed-mean", -1.725),
+        (3, "median", "median", 1.0),
+    ],
 )
-def test_a_reversed_update_claiming_1e15_examples(tmp_path, num_honest, clip, steps):
+def test_a_reversed_update_claiming_1e15_examples(
+    tmp_path, num_honest, clip, how, steps
+):
     """Issue 32, case 4: ``global - 9.9 x S's change`` claiming 10**15 examples
     passes the norm bound (9.9 < 10 x the median) and gets weight 2 x the median.
     With update-clip (the default) its change is clipped to S's: beside three
     honest nodes the model moves 0.2 of S's change forward (before: 3.36
     backwards); beside one it still moves back, by 1/3 (before: 6.27), since
-    weight-clip gives it twice the honest node's weight."""
+    weight-clip gives it twice the honest node's weight. trimmed-mean (0.2 of 4
+    updates: none cut) is a plain mean of the four without the clip; the
+    coordinate median is S either way."""
     changes = [
         ("arrays", ("moved", -9.9)),
         ("set", "metrics", keys.NUM_EXAMPLES, 10**15),
     ]
     honest = dict(list({**HONEST, 1002: 2}.items())[:num_honest])
-    settings = {} if clip == "median" else {"update_clip": clip}  # the default
+    settings: dict[str, Any] = {}  # the defaults: update-clip median, mean
+    if clip != "median":
+        settings["update_clip"] = clip
+    if how != "mean":
+        settings["server_opt"] = ServerOptConfig(aggregation=how)
     fed, record = run_case(tmp_path, changes, honest=honest, **settings)
     assert assignment(record, NODE)["status"] == "ok"  # accepted, and bounded
     assert honest_steps(fed) == pytest.approx(steps, abs=0.005)
