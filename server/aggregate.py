@@ -7,24 +7,41 @@ values, and a norm bound: an update whose relative change
 round's median (the lower median, so two updates suffice) is rejected. A rejected
 update is logged with its reason and changes nothing.
 
+Influence: every accepted update's change ``update - global`` is clipped
+(``clip_changes``, run config ``update-clip``) to the norm a median update would have
+over the entries it trained: per key, the lower median over the updates that carry it
+of their root-mean-square change per trained entry, ``m_k``; an update that trained
+``n_k`` entries of key ``k`` may change them by at most
+``sqrt(sum_k n_k * m_k**2)``. Its direction is kept. For a round of whole-model
+updates of a one-key model this is the lower median of the updates' norms; per key
+(not per set of trained keys) so that a node alone on its window or sub-model is
+still measured against the other nodes that trained the same keys, and per entry so
+that a sub-model covering half of a key is held to half of its squared norm.
+
 Weights: a reply's claimed example count is capped (run config ``max-examples``),
 then clipped to ``weight-clip`` times the round's lower median count
 (``clip_weights``), so a node cannot decide the average by claiming 10**15 examples.
+With both, a reply's contribution to the average's change has an L2 norm of at most
+``(its weight / the weight on each of its keys) x its clip norm``: with whole-model
+updates, ``w / W`` of a median update's norm.
 
 Averaging is per key: a weighted mean (by example count) over the updates that carry
 the key; keys nobody trained keep the global value. It runs in a fixed order (by
 partition id), so two runs with the same seed aggregate to the same bits. The robust
 alternatives (``robust_average``: a coordinate-wise median or trimmed mean, Flower's
 FedMedian and FedTrimmedAvg) are unweighted, as Flower's are, over the same per-key
-sets of updates; weight-clip does not apply to them.
+sets of updates; weight-clip does not apply to them (the change clip does).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import torch
+
+from wire.reply import key_list
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +72,7 @@ def validate_update(update: Update, reference: dict[str, torch.Tensor]) -> None:
     extra = sorted(set(update.state) - want)
     if missing or extra:
         raise UpdateRejected(
-            f"keys differ: missing {missing[:5]}, unexpected {extra[:5]}"
+            f"keys differ: missing {key_list(missing)}, unexpected {key_list(extra)}"
         )
     if update.num_examples <= 0:
         raise UpdateRejected(f"num-examples is {update.num_examples}, must be > 0")
@@ -165,6 +182,95 @@ def robust_average(
             mid = values[cut : n - cut].mean(0)
         out[key] = mid.to(ref.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class ChangeClip:
+    """How ``clip_changes`` treated one update's change (over its floating entries)."""
+
+    norm: float  # L2 norm of update - global before the clip
+    bound: float  # what a median update would change over the same entries
+
+    @property
+    def scale(self) -> float:
+        """The factor on the change: 1.0 where it was within its bound (to a relative
+        1e-9: equal updates' norm and bound differ by float rounding)."""
+        if self.norm <= self.bound * (1 + 1e-9):
+            return 1.0
+        return self.bound / self.norm
+
+
+def _change_stats(
+    update: Update, reference: dict[str, torch.Tensor]
+) -> dict[str, tuple[float, int]]:
+    """Per floating key the update trained: (squared L2 norm of its change over the
+    entries it trained, how many entries that is). A sub-model's masked key counts
+    only the entries it covers."""
+    out: dict[str, tuple[float, int]] = {}
+    for key, got in update.state.items():
+        ref = reference[key]
+        if not ref.is_floating_point():
+            continue
+        diff = got.to(torch.float64) - ref.to(torch.float64)
+        if _masked(update, key):
+            assert update.coverage is not None
+            mask = update.coverage[key].to(torch.bool)
+            entries, squared = int(mask.sum()), float(diff[mask].square().sum())
+        else:
+            entries, squared = diff.numel(), float(diff.square().sum())
+        if entries:
+            out[key] = (squared, entries)
+    return out
+
+
+def clip_changes(
+    updates: list[Update], reference: dict[str, torch.Tensor]
+) -> tuple[list[Update], list[ChangeClip]]:
+    """Every update with its change ``update - reference`` clipped to the norm a
+    median update of this round has over the entries it trained (module docstring),
+    and how each was clipped, in the order given.
+
+    Per key ``k``, ``m_k`` is the lower median, over the updates that trained ``k``,
+    of ``||change_k|| / sqrt(entries trained)``; an update's bound is
+    ``sqrt(sum over its keys of entries_k * m_k**2)``, and a change above it is scaled
+    down to it (direction kept; computed in float64, cast back). Integer buffers are
+    neither measured nor changed. An update within its bound is returned as it is
+    (the same object, bit for bit). With one update, nothing is clipped (the lower
+    median is its own).
+    """
+    stats = [_change_stats(u, reference) for u in updates]
+    per_entry: dict[str, list[float]] = {}
+    for st in stats:
+        for key, (squared, entries) in st.items():
+            per_entry.setdefault(key, []).append(squared / entries)
+    median = {
+        key: sorted(values)[(len(values) - 1) // 2] for key, values in per_entry.items()
+    }
+    clipped: list[Update] = []
+    clips: list[ChangeClip] = []
+    for u, st in zip(updates, stats, strict=True):
+        norm = math.sqrt(sum(squared for squared, _ in st.values()))
+        bound = math.sqrt(sum(n * median[key] for key, (_, n) in st.items()))
+        clip = ChangeClip(norm, bound)
+        clips.append(clip)
+        if clip.scale >= 1.0:
+            clipped.append(u)
+            continue
+        state = dict(u.state)
+        for key in st:
+            ref = reference[key].to(torch.float64)
+            change = u.state[key].to(torch.float64) - ref
+            state[key] = (ref + clip.scale * change).to(reference[key].dtype)
+        clipped.append(replace(u, state=state))
+        log.debug(  # about half of the honest updates, every round: not news
+            "update of node %s (partition %s): change %.3g clipped to %.3g "
+            "(the round's median over the entries it trained)",
+            u.node_id,
+            u.partition_id,
+            norm,
+            bound,
+        )
+    return clipped, clips
 
 
 def clip_weights(updates: list[Update], factor: float) -> list[Update]:

@@ -26,6 +26,12 @@ from workloads.splits import SPLITS
 STRATEGIES = ("fleetfit", "exclude", "heterofl", "fedrolex")
 """What nodes are asked to train (see ``ServerConfig.strategy``)."""
 
+UPDATE_CLIPS = ("median", "off")
+"""How updates' changes are clipped (see ``ServerConfig.update_clip``)."""
+
+REPLY_ALLOWANCE_BYTES = 2**20  # "auto" max-reply-bytes beyond 1.25 x the model:
+#   metrics, report texts and each array's .npy header (about 128 bytes)
+
 
 @dataclass(frozen=True)
 class PrivacyConfig:
@@ -231,6 +237,15 @@ class ServerConfig:
     weight_clip: float = 2.0  # [weight-clip] an update's averaging weight is at most
     #   this many times the round's median example count (the lower median of the
     #   accepted updates), so no node decides the average by its claim; 0 disables
+    update_clip: str = "median"  # [update-clip] median | off: median clips every
+    #   accepted update's change (update - global) to the norm the round's median
+    #   update has over the entries it trained (server/aggregate.py clip_changes), so
+    #   that a reply's influence, not only its weight, is bounded. Applies to every
+    #   aggregation but central DP, whose fixed clip (dp-clipping-norm) replaces it
+    max_reply_bytes: str = "auto"  # [max-reply-bytes] bytes a train reply may carry
+    #   (its arrays' data, record and key names, texts), checked before any array is
+    #   decoded: a size ("512MB"), "auto" (1.25 x the global model's bytes + 1 MiB:
+    #   a whole-model reply of the largest model the run trains) or "0" (no limit)
     runtime_reserve: str = RUNTIME_RESERVE  # [runtime-reserve] fixed process costs the
     #   memory model does not hold; plans are made for budget minus this
     client_measure: str = "auto"  # [client-measure] auto | child | inline: auto
@@ -316,6 +331,17 @@ class ServerConfig:
             raise bad("max-examples", self.max_examples, "must be in 1..2**53")
         if not (self.weight_clip == 0 or 1 <= self.weight_clip < math.inf):
             raise bad("weight-clip", self.weight_clip, "must be 0 (off) or >= 1")
+        if self.update_clip not in UPDATE_CLIPS:
+            raise bad("update-clip", self.update_clip, " or ".join(UPDATE_CLIPS))
+        if self.max_reply_bytes.strip().lower() != "auto":
+            try:
+                parse_bytes(self.max_reply_bytes, what="size", allow_zero=True)
+            except ValueError as e:
+                raise bad(
+                    "max-reply-bytes",
+                    self.max_reply_bytes,
+                    f'{e}; or "auto" (from the model\'s size) or "0" (no limit)',
+                ) from None
         export = self.export
         if export.eval_runtime not in ("torch", "onnxruntime"):
             raise bad("eval-runtime", export.eval_runtime, "torch or onnxruntime")
@@ -412,6 +438,15 @@ class ServerConfig:
             seq_len=self.shape.seq_len or None,
             eval_windows=self.eval_windows,
         )
+
+    def reply_limit(self, model_bytes: int) -> int:
+        """Bytes a train reply may carry (``max-reply-bytes``; 0: no limit), where
+        ``model_bytes`` is the global model's state (the largest model any node is
+        sent: sub-models, windows and adapter factors are smaller)."""
+        text = self.max_reply_bytes.strip().lower()
+        if text == "auto":
+            return model_bytes * 5 // 4 + REPLY_ALLOWANCE_BYTES
+        return parse_bytes(text, allow_zero=True)
 
     @property
     def reserve_bytes(self) -> int:

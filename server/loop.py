@@ -23,6 +23,7 @@ from server import persist, precheck, privacy
 from server.aggregate import (
     Update,
     accept_updates,
+    clip_changes,
     clip_weights,
     robust_average,
     weighted_average,
@@ -39,7 +40,13 @@ from server.submodel import SubmodelAssigner, expand
 from wire import keys
 from wire.facts import NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
-from wire.reply import MAX_TEXT, MalformedReply, TrainReply, read_train_reply
+from wire.reply import (
+    MAX_TEXT,
+    MalformedReply,
+    TrainReply,
+    cap_text,
+    read_train_reply,
+)
 from wire.windows import trained_keys
 
 log = logging.getLogger(__name__)
@@ -68,6 +75,9 @@ class Federation:
         if cfg.init_model:
             precheck.load_init_model(self.model, cfg.init_model, cfg.shape.workload)
         self.out = Path(cfg.out)
+        self.max_reply_bytes = cfg.reply_limit(  # checked before decoding a reply
+            sum(v.numel() * v.element_size() for v in self.model.state_dict().values())
+        )
         self.onnx = OnnxRounds(cfg, self.workload, self.out)
         self._class_items: dict[int, Any] | None = None  # class_metrics' data
         self.nodes: dict[int, NodeFacts] = {}  # node id -> facts (query reply)
@@ -110,6 +120,12 @@ class Federation:
                 key,
                 cfg.server_opt.name,
                 cfg.server_opt.aggregation,
+            )
+        if cfg.privacy.clipping_norm > 0 and cfg.update_clip != "off":
+            log.info(
+                "update-clip=%s is not applied under central DP: dp-clipping-norm "
+                "bounds every update's change instead (docs/security.md)",
+                cfg.update_clip,
             )
         self.start_round = 1
         self.summary: dict[str, Any] = {
@@ -301,14 +317,19 @@ class Federation:
             )
         elif changed:
             how = cfg.server_opt.aggregation
+            averaged = accepted
+            if cfg.update_clip == "median":  # influence: change <= the median's
+                averaged, clips = clip_changes(accepted, reference)
+                for u, c in zip(accepted, clips, strict=True):
+                    reports[u.node_id]["clip_scale"] = c.scale
             if how == "mean":
-                weighted = clip_weights(accepted, cfg.weight_clip)
+                weighted = clip_weights(averaged, cfg.weight_clip)
                 for w in weighted:  # what each update weighed (weight-clip)
                     reports[w.node_id]["counted_examples"] = w.num_examples
                 aggregate = weighted_average(weighted, reference)
             else:  # unweighted: no update has a weight to report
                 aggregate = robust_average(
-                    accepted,
+                    averaged,
                     reference,
                     how=how,
                     trim_fraction=cfg.server_opt.trim_fraction,
@@ -358,8 +379,8 @@ class Federation:
         if dp_record is not None:
             record["dp"] = dp_record
         self.onnx.add_federated_eval(record, reports)
-        if errors:
-            record["errors"] = errors
+        if errors:  # a peer's texts and key names, cut
+            record["errors"] = [cap_text(e) for e in errors]
         self.summary["rounds"].append(record)
         self._save(server_round)
         self.onnx.after_round(self.model, server_round)
@@ -442,7 +463,9 @@ class Federation:
             # the weight it got in the average: num_examples capped at max-examples,
             # then clipped to weight-clip x the round's median (None: not averaged)
             "counted_examples": report.get("counted_examples"),
-            "status": report.get("status", "ok"),
+            # the factor update-clip put on its change (1.0: within the median's)
+            "clip_scale": report.get("clip_scale"),
+            "status": cap_text(str(report.get("status", "ok"))),
         }
 
     def _collect(
@@ -468,7 +491,12 @@ class Federation:
                 log.warning("node %s failed: %s", node_id, reason)
                 continue
             try:  # the one reader: any fault of the reply is a MalformedReply
-                got, arrays = read_train_reply(reply.content, kind=a.kind)
+                got, arrays = read_train_reply(
+                    reply.content,
+                    kind=a.kind,
+                    expected=self._reply_keys(a),
+                    max_bytes=self.max_reply_bytes,
+                )
             except MalformedReply as e:
                 errors.append(f"node {node_id}: malformed reply ({e})")
                 reports[node_id] = {"status": f"malformed: {e}"}
@@ -637,6 +665,16 @@ class Federation:
             a.adapters.scaling,
             {p: fan_in_fan_out(modules[p]) for p in paths},
         )
+
+    def _reply_keys(self, a: Assignment) -> frozenset[str] | None:
+        """The array keys a reply to ``a`` carries, as sent (None: none expected)."""
+        if a.kind == "none":
+            return None
+        if a.adapters is not None:  # the factors, before _adapter_update
+            rank = a.adapters.rank
+            return frozenset(factor_shapes(self.model, self._adapter_paths(a), rank))
+        trained = self._expected_keys(a)
+        return frozenset(self.model.state_dict()) if trained is None else trained
 
     def _expected_keys(self, a: Assignment) -> frozenset[str] | None:
         """The keys a reply to ``a`` must carry (None: every key of the model)."""

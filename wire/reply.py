@@ -11,11 +11,20 @@ wrong, whatever the fault. A figure may be missing (a stock Flower client sends 
 ``num-examples``); one that is present must be valid (of its type, finite, in range;
 an evaluation's loss >= 0 and accuracy in [0, 1], all three of its figures or none),
 or the whole reply is refused with the key and the value named.
+
+Before any array is decoded, the reply's size (``reply_bytes``: what Flower already
+holds in memory, its arrays' bytes, names and texts, counted without decoding) is
+checked against the server's limit (run config ``max-reply-bytes``), and its array
+keys against the keys the assignment trains: a reply too large, or naming a key it
+was not asked for, is refused without a copy of its arrays being made. Texts and key
+names in reasons are cut (``cap_text``, ``MAX_KEY_CHARS``), since reasons are logged
+and written to the run folder.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +39,8 @@ MAX_EXAMPLES = 2**53  # a claimed example count above this is malformed; the ser
 MAX_PARTITION = 2**31 - 1
 MAX_LOSS = 1e9  # a larger loss is nonsense (and its average would overflow)
 MAX_TEXT = 300  # characters kept of a reply's texts (reasons, errors)
+MAX_KEY_CHARS = 80  # characters of a peer's key name kept in a reason
+NUMBER_BYTES = 8  # what a number in a Metric/ConfigRecord counts for (reply_bytes)
 PEAK_METHODS = ("child", "inline", "inline-unreset", "ort-child")
 EVAL_RUNTIMES = ("onnxruntime", "torch")
 
@@ -261,27 +272,89 @@ def _eval_result(
 
 
 def read_train_reply(
-    content: RecordDict, *, kind: str
+    content: RecordDict,
+    *,
+    kind: str,
+    expected: Collection[str] | None = None,
+    max_bytes: int = 0,
 ) -> tuple[TrainReply, dict[str, np.ndarray] | None]:
     """The one reader of a train reply from any node: its figures and (``full``,
-    ``part``) its arrays (native numpy arrays of the dtypes ``torch.from_numpy``
-    takes; wire imports no torch), or ``MalformedReply`` with the
+    ``part``, ``adapter``) its arrays (native numpy arrays of the dtypes
+    ``torch.from_numpy`` takes; wire imports no torch), or ``MalformedReply`` with the
     reason, whatever the fault (missing or renamed records, values of any type,
     array bytes that are empty, a zip file, truncated, of an object or non-native
-    dtype). The arrays' keys, shapes and values are checked against the model by
-    ``server.aggregate``.
+    dtype).
+
+    Before any array is decoded: a reply whose ``reply_bytes`` exceed ``max_bytes``
+    (0: no limit) is refused, and so is one whose array keys are not exactly
+    ``expected`` (None: not checked here). Shapes and values are checked against the
+    model by ``server.aggregate``.
     """
     try:
+        size = reply_bytes(content)
+        if max_bytes and size > max_bytes:
+            raise MalformedReply(
+                f"the reply holds {size:,} bytes, over max-reply-bytes "
+                f"({max_bytes:,}); its arrays were not decoded"
+            )
         reply = TrainReply.from_content(content, kind=kind)
         if kind == "none":
             return reply, None
-        return reply, _state_arrays(TrainReply.arrays(content))
+        arrays = TrainReply.arrays(content)
+        if expected is not None:
+            _check_keys(arrays, expected)
+        return reply, _state_arrays(arrays)
     except MalformedReply:
         raise
     except Exception as e:  # a peer's bytes: any fault is a rejection, not a crash
         raise MalformedReply(
             f"unreadable reply ({type(e).__name__}: {_show(e, 120)})"
         ) from None
+
+
+def reply_bytes(content: RecordDict) -> int:
+    """What a reply holds, in bytes, read without decoding anything: every record's
+    name, every key, every array's ``.npy`` data (as Flower holds it), every text
+    (in characters) and bytes value; a number counts ``NUMBER_BYTES``."""
+    total = 0
+    for name, record in content.items():
+        total += len(name)
+        if isinstance(record, ArrayRecord):
+            for key, array in record.items():
+                total += len(key) + len(array.data)
+            continue
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            total += len(key) + sum(
+                len(v) if isinstance(v, str | bytes) else NUMBER_BYTES for v in values
+            )
+    return total
+
+
+def _check_keys(arrays: Any, expected: Collection[str]) -> None:
+    """Refuse ``arrays`` unless its keys are exactly ``expected`` (nothing decoded)."""
+    if not isinstance(arrays, ArrayRecord):
+        raise MalformedReply("arrays is not an ArrayRecord")
+    want = set(expected)
+    got = set(arrays.keys())
+    missing, extra = sorted(want - got), sorted(got - want)
+    if missing or extra:
+        raise MalformedReply(
+            f"array keys differ from the assignment's: missing {key_list(missing)}, "
+            f"unexpected {key_list(extra)} ({len(extra)} in all); nothing decoded"
+        )
+
+
+def key_list(names: list[str], limit: int = 5) -> list[str]:
+    """The first ``limit`` of ``names``, each cut to ``MAX_KEY_CHARS`` characters (a
+    peer's key may be megabytes long; reasons are logged and written to the run
+    folder)."""
+    return [cap_text(n, MAX_KEY_CHARS) for n in names[:limit]]
+
+
+def cap_text(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``...`` where it was cut."""
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
 
 
 _DTYPES = frozenset(
@@ -308,7 +381,7 @@ def _state_arrays(arrays: Any) -> dict[str, np.ndarray]:
             value = arrays[key].numpy()  # np.load(allow_pickle=False)
         except Exception as e:  # empty, a zip file, truncated, a pickle: refused
             raise MalformedReply(
-                f"array {key[:80]!r} is unreadable ({type(e).__name__}: {_show(e, 80)})"
+                f"array {key[:MAX_KEY_CHARS]!r} is unreadable ({type(e).__name__}: {_show(e, 80)})"
             ) from None
         if (
             not isinstance(value, np.ndarray)
@@ -316,7 +389,7 @@ def _state_arrays(arrays: Any) -> dict[str, np.ndarray]:
             or not value.dtype.isnative
         ):
             raise MalformedReply(
-                f"array {key[:80]!r} has dtype {getattr(value, 'dtype', '?')}; "
+                f"array {key[:MAX_KEY_CHARS]!r} has dtype {getattr(value, 'dtype', '?')}; "
                 "expected a native bool, integer or float array"
             )
         state[key] = np.ascontiguousarray(value)

@@ -329,6 +329,7 @@ def build_arrays(spec: Any, window: tuple[int, int] | None) -> ArrayRecord:
     - ``("same", key, how)``: the same values written otherwise (``SAME_VALUES``);
     - ``("stype", key, stype)``: an unknown serialization;
     - ``("value", key, x)``: one entry set to the non-finite ``x``;
+    - ``("big", key, nbytes)``: an extra array of ``nbytes`` zero bytes (uint8);
 
     or ``"empty"`` (an ArrayRecord with no arrays) or ``"onnx"`` (the evaluation
     model's key holding bytes), or ``("moved", f)``: the initial model plus ``f``
@@ -375,6 +376,8 @@ def build_arrays(spec: Any, window: tuple[int, int] | None) -> ArrayRecord:
         arrays[key] = Array("int8", (1,), "numpy.ndarray", data)
     elif op == "stype":
         arrays[key] = Array(str(ref.dtype), tuple(ref.shape), arg, _npy(ref))
+    elif op == "big":
+        arrays[key] = Array(np.zeros(arg, np.uint8))
     elif op == "value":
         bad = ref.copy()
         bad.reshape(-1)[0] = arg

@@ -16,13 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flwr.app import Array
 
+from server import persist
+from server.fedopt import ServerOptConfig
 from server.loop import Federation
 from tests.reliability.hostile import (
     HostileTransport,
     RoundTimeout,
+    assignment,
     honest_state,
     make_config,
+    model_keys,
     query_answer,
     refusal,
     role_budgets,
@@ -31,6 +36,7 @@ from tests.reliability.hostile import (
     train_answer,
 )
 from wire import keys
+from wire.reply import MAX_TEXT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,9 +51,11 @@ def run_case(
     train: dict[int, tuple[Any, ...]] | list[tuple[Any, ...]] = (),
     query: dict[int, tuple[Any, ...]] | tuple[Any, ...] = ("reply", "full", []),
     honest: dict[int, int] = HONEST,
+    **config: Any,
 ) -> tuple[Federation, dict[str, Any]]:
     """One round; ``train`` and ``query``: a node's answers as the fuzzer draws
-    them (a list of changes for ``NODE`` alone, or by node)."""
+    them (a list of changes for ``NODE`` alone, or by node); ``config``: run
+    settings beside ``make_config``'s."""
     if not isinstance(train, dict):
         train = {NODE: ("reply", list(train))}
     if not isinstance(query, dict):
@@ -63,7 +71,7 @@ def run_case(
 
     role_budgets()  # profiles the model once per process, outside the time limit
     transport = HostileTransport(honest, hostile, on_query, on_train)
-    fed = Federation(make_config(tmp_path / "run", rounds=1), transport)
+    fed = Federation(make_config(tmp_path / "run", rounds=1, **config), transport)
     try:
         with time_limit(ROUND_LIMIT_S):
             record = fed.run_round(1)
@@ -137,11 +145,21 @@ def test_non_finite_train_s_and_train_loss(tmp_path, value):
     assert round_problems(fed, 1, record) == []
 
 
+def honest_steps(fed: Federation) -> float:
+    """How far the global model moved along S's change, in S's changes (1.0: to S;
+    negative: backwards)."""
+    got = fed.model.state_dict()
+    init = fed.workload.make_model(0).state_dict()
+    s = honest_state()
+    dot = sum(float(((got[k] - init[k]).double() * (s[k] - init[k])).sum()) for k in s)
+    return dot / sum(float((s[k] - init[k]).double().square().sum()) for k in s)
+
+
 def test_a_claim_of_1e15_examples_is_capped(tmp_path):
     """A plausible update (twice S's change) claiming 10**15 examples beside three
     honest nodes: its weight is capped (max-examples, then weight-clip 2 x the
-    median: 2/5 of the average), so the aggregate stays closer to S than to the
-    claimant's update."""
+    median: 2/5 of the average) and its change clipped to the median's (S's), so
+    the aggregate is S."""
     changes = [
         ("arrays", ("moved", 2.0)),
         ("set", "metrics", keys.NUM_EXAMPLES, 10**15),
@@ -149,13 +167,48 @@ def test_a_claim_of_1e15_examples_is_capped(tmp_path):
     fed, record = run_case(tmp_path, changes, honest={**HONEST, 1002: 2})
     problems = round_problems(fed, 1, record)
     assert [p for p in problems if not p.startswith("global model")] == []
-    got = fed.model.state_dict()
-    init = fed.workload.make_model(0).state_dict()
-    s = honest_state()
-    to_s = sum(float((got[k] - s[k]).square().sum()) for k in s) ** 0.5
-    claim = {k: init[k] + 2.0 * (s[k] - init[k]) for k in s}
-    to_claim = sum(float((got[k] - claim[k]).square().sum()) for k in s) ** 0.5
-    assert to_s < to_claim, (to_s, to_claim)
+    assert honest_steps(fed) == pytest.approx(1.0, abs=1e-5)
+    claimant = assignment(record, NODE)
+    assert claimant["counted_examples"] == 2 * 100  # weight-clip 2 x the median
+    assert claimant["clip_scale"] == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_honest, clip, how, steps",
+    [
+        (3, "median", "mean", 0.2),
+        (1, "median", "mean", -1 / 3),
+        (3, "off", "mean", -3.36),
+        (1, "off", "mean", -6.27),
+        (3, "median", "trimmed-mean", 0.5),
+        (3, "off", "trimmed-mean", -1.725),
+        (3, "median", "median", 1.0),
+    ],
+)
+def test_a_reversed_update_claiming_1e15_examples(
+    tmp_path, num_honest, clip, how, steps
+):
+    """Issue 32, case 4: ``global - 9.9 x S's change`` claiming 10**15 examples
+    passes the norm bound (9.9 < 10 x the median) and gets weight 2 x the median.
+    With update-clip (the default) its change is clipped to S's: beside three
+    honest nodes the model moves 0.2 of S's change forward (before: 3.36
+    backwards); beside one it still moves back, by 1/3 (before: 6.27), since
+    weight-clip gives it twice the honest node's weight. trimmed-mean (0.2 of 4
+    updates: none cut) is a plain mean of the four without the clip; the
+    coordinate median is S either way."""
+    changes = [
+        ("arrays", ("moved", -9.9)),
+        ("set", "metrics", keys.NUM_EXAMPLES, 10**15),
+    ]
+    honest = dict(list({**HONEST, 1002: 2}.items())[:num_honest])
+    settings: dict[str, Any] = {}  # the defaults: update-clip median, mean
+    if clip != "median":
+        settings["update_clip"] = clip
+    if how != "mean":
+        settings["server_opt"] = ServerOptConfig(aggregation=how)
+    fed, record = run_case(tmp_path, changes, honest=honest, **settings)
+    assert assignment(record, NODE)["status"] == "ok"  # accepted, and bounded
+    assert honest_steps(fed) == pytest.approx(steps, abs=0.005)
 
 
 # ---------------------------------------------------------------- evaluation only
@@ -246,3 +299,48 @@ def test_eval_figures_out_of_range_are_not_averaged(tmp_path, key, value):
     assert fe is not None and fe["num_nodes"] == 1, fe
     assert (fe["accuracy"], fe["loss"]) == (0.5, 1.5), fe
     assert_refused(fed, record, NODE, key)
+
+
+# ---------------------------------------------------------------- size (issue 32, 5)
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The byte length of every array the server decodes (``Array.numpy``)."""
+    sizes: list[int] = []
+    numpy = Array.numpy
+
+    def counting(self: Array) -> Any:
+        sizes.append(len(self.data))
+        return numpy(self)
+
+    monkeypatch.setattr(Array, "numpy", counting)
+    return sizes
+
+
+def test_an_oversize_reply_is_refused_before_decoding(tmp_path, decoded):
+    """An extra array larger than the whole model (max-reply-bytes "auto": 1.25 x
+    the model + 1 MiB) is refused by its size, and none of the reply's arrays is
+    decoded: the honest nodes' arrays are the only ones read."""
+    model_bytes = sum(v.numel() * v.element_size() for v in honest_state().values())
+    big = model_bytes * 5 // 4 + 2**20 + 1
+    fed, record = run_case(tmp_path, [("arrays", ("S", ("big", "extra", big)))])
+    assert fed.max_reply_bytes < big
+    assert_refused(fed, record, NODE, "max-reply-bytes", "not decoded")
+    assert max(decoded) < big and len(decoded) == len(HONEST) * len(model_keys())
+
+
+def test_unexpected_keys_are_refused_before_decoding(tmp_path, decoded):
+    fed, record = run_case(tmp_path, [("arrays", ("S", ("extra", "evil")))])
+    assert_refused(fed, record, NODE, "unexpected ['evil']", "nothing decoded")
+    assert len(decoded) == len(HONEST) * len(model_keys())
+
+
+@pytest.mark.parametrize("limit", ["auto", "0"])
+def test_a_4mb_key_name_makes_no_4mb_summary(tmp_path, limit):
+    """A 4 MB array key: refused by size ("auto") or by its keys (no limit), with a
+    reason of bounded length in summary.json (it once held the name whole)."""
+    name = "k" * 4_000_000
+    settings = {} if limit == "auto" else {"max_reply_bytes": limit}  # the default
+    fed, record = run_case(tmp_path, [("arrays", ("S", ("extra", name)))], **settings)
+    assert_refused(fed, record, NODE)
+    assert len(refusal(record, NODE) or "") <= MAX_TEXT
+    assert (tmp_path / "run" / persist.SUMMARY_FILE).stat().st_size < 50_000

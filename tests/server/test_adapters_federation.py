@@ -1,7 +1,9 @@
 """A federation whose nodes train LoRA adapters (``adapters=all``): the server sends
 the base, gets the factors back, and its new model is the base plus the
-example-weighted mean of the devices' ``s B @ A`` (FLoRA's stacked update); the
-result is a plain model file and its ONNX export."""
+example-weighted mean of the devices' ``s B @ A`` (FLoRA's stacked update), each
+scaled by the factor ``update-clip`` put on it (``clip_scale``: of two updates, each
+is held to the smaller change per key); the result is a plain model file and its
+ONNX export."""
 
 from __future__ import annotations
 
@@ -51,11 +53,13 @@ def test_adapter_round_merges_the_mean_of_products(tmp_path):
     summary = fed.run()
     rec = summary["rounds"][0]
     assert rec["num_clients"] == 2
-    counted = {}
+    counted, clip = {}, {}
     for a in rec["assignments"]:
         assert a["kind"] == "adapter" and a["lora_rank"] == 4, a
         assert a["adapter_start"] == 1  # layers.0: every layer carries adapters
         counted[a["node_id"]] = a["counted_examples"]
+        clip[a["node_id"]] = a["clip_scale"]
+    assert all(0 < c <= 1.0 for c in clip.values()), clip
     paths = [f"layers.{i}.{m}" for i in (0, 1) for m in ("qkv", "fc")]
     for r in replies.values():  # only the factors travel back
         assert set(r) == {k for p in paths for k in factor_keys(p)}
@@ -68,7 +72,10 @@ def test_adapter_round_merges_the_mean_of_products(tmp_path):
     for p in paths:
         a_key, b_key = factor_keys(p)
         mean = sum(
-            (counted[n] / total) * 2.0 * (r[b_key].double() @ r[a_key].double())
+            (counted[n] / total)
+            * clip[n]
+            * 2.0
+            * (r[b_key].double() @ r[a_key].double())
             for n, r in replies.items()
         )
         want = base[f"{p}.weight"].double() + mean
@@ -120,6 +127,7 @@ def _capture(replies):
 
 def _check_merged(tmp_path, rec, replies, base, scaling):
     counted = {a["node_id"]: a["counted_examples"] for a in rec["assignments"]}
+    clip = {a["node_id"]: a["clip_scale"] for a in rec["assignments"]}
     total = sum(counted.values())
     state, _ = load_model(tmp_path / "run" / "model.safetensors")
     assert set(state) == set(base)
@@ -127,7 +135,10 @@ def _check_merged(tmp_path, rec, replies, base, scaling):
     for p in paths:
         a_key, b_key = factor_keys(p)
         mean = sum(
-            (counted[n] / total) * scaling[n] * (r[b_key].double() @ r[a_key].double())
+            (counted[n] / total)
+            * clip[n]
+            * scaling[n]
+            * (r[b_key].double() @ r[a_key].double())
             for n, r in replies.items()
         )
         w = base[f"{p}.weight"].double()

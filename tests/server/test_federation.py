@@ -129,8 +129,10 @@ def test_malformed_replies_and_dead_nodes_do_not_stop_rounds(tmp_path):
     assert status[2000] == "ok" and status[2006] == "ok"
     assert "NaN" in status[2001] and "shape" in status[2002]
     assert "missing" in status[2003] and "norm" in status[2004]
+    # keys are checked before any array is decoded (wire.reply): malformed
+    assert status[2003].startswith("malformed") and "nothing decoded" in status[2003]
     assert status[2005].startswith("malformed") and status[2007] == "no reply"
-    assert r["num_clients"] == 2 and r["num_rejected"] == 4 and r["num_failed"] == 6
+    assert r["num_clients"] == 2 and r["num_rejected"] == 3 and r["num_failed"] == 6
     assert np.isfinite(r["loss"])
 
 
