@@ -157,6 +157,12 @@ class Federation:
                 reply.content.config_records.get(keys.NODE, {})
             )
             self.nodes[node_id] = facts
+            if facts.adapters is False and self.cfg.adapters.mode != "off":
+                log.warning(
+                    "node %s cannot train adapters (no peft: the hf extra): it gets "
+                    "other work",
+                    node_id,
+                )
             if refused:
                 msg = (
                     f"node {node_id}: facts refused ({', '.join(refused)[:300]}); "
