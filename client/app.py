@@ -10,11 +10,11 @@
   ``none``: replies that nothing fits, with the smallest budget that would) on its
   share of the data, and replies with the trained ``arrays`` and ``metrics``
   (``num-examples``, ``train-loss``, the measured peak of its training work, the bytes
-  of the message it received, ...). A stock
-  strategy's instruction (Flower's FedAvg: no ``kind`` or ``plan``) trains the whole
-  model under the node's own plan for its budget (``client.selfplan``), the run's
-  shape read from the run config where the strategy sent none; a budget that holds no
-  whole-model plan is an error reply naming it and the smallest that fits.
+  of the message it received, ...). A stock strategy's instruction (Flower's FedAvg:
+  no ``kind`` or ``plan``) trains the whole model under the node's own plan for its
+  budget (``client.selfplan``), the run's shape read from the run config where the
+  strategy sent none; a budget that holds no whole-model plan is an error reply naming
+  it and the smallest that fits.
 - ``evaluate``: evaluates the received arrays on the held-out data.
 
 Errors raised here become error replies: the round goes on without this node.

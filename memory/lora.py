@@ -321,7 +321,11 @@ def add_adapters(
     """Add LoRA adapters (peft's ``inject_adapter_in_model``, module names kept) to
     ``model`` in place, freeze everything else and hold the frozen base in
     ``spec.base_dtype``; return the target paths. ``A`` is drawn from torch's global
-    generator (Kaiming-uniform), ``B`` is zero: the model computes what it did."""
+    generator (Kaiming-uniform), ``B`` is zero: the model computes what it did.
+
+    Raises:
+        MissingExtraError: peft is not installed (the ``hf`` extra).
+    """
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ModuleNotFoundError as e:

@@ -24,9 +24,9 @@ from wire.reply import MAX_BYTES
 
 BUDGET_SOURCES = ("node-config", "fleet", "measured")
 MISSING_EXTRA = 100
-"""``Error.code`` of a train reply refusing work that needs a package this node's install
-lacks (an extra of fleetfit); the reason names the extra in one line. Outside Flower's
-``ErrorCode`` values (0-8)."""
+"""``Error.code`` of a train reply refusing work that needs a package this node's
+install lacks (an extra of fleetfit); the reason names the extra in one line. Outside
+Flower's ``ErrorCode`` values (0-8)."""
 
 _KEY = {
     "partition_id": keys.PARTITION_ID,
