@@ -4,11 +4,12 @@
 pyproject.toml installs: the dependency closure of the extras (``hf``, ``dev`` and any
 later one) minus the closure of the base dependencies, read from the installed
 distributions' metadata, mapped to the modules each distribution provides. ``env()``
-puts ``tests/base_install_site`` first on ``PYTHONPATH``: its ``sitecustomize`` makes
-every such module fail to import (``ModuleNotFoundError: No module named 'peft'``, as
-on a base install) in every Python process started with that environment and in
-every process those start (Flower's SuperNode -> ClientApp, Ray's workers, the
-measuring child), since they inherit it. A process the blocker reached appends a
+puts ``tests/base_install_site`` first on ``PYTHONPATH``: its ``sitecustomize`` hides
+every such module where pip installs it (``ModuleNotFoundError: No module named
+'peft'``, ``find_spec`` None, as on a base install; a copy a package vendors, as Ray's
+runtime-env agent vendors aiohttp, still imports) in every Python process started with
+that environment and in every process those start (Flower's SuperNode -> ClientApp,
+Ray's workers, the measuring child), since they inherit it. A process the blocker reached appends a
 line to ``log`` (``<pid> loaded <command line>``; ``<pid> blocked <module>`` for
 every lookup it refused), so a test can show the blocker was there (``reached``).
 
