@@ -1,17 +1,20 @@
 """fleetfit's ClientApp (Flower Message API).
 
 - ``query``: replies with the node's facts: partition id and count, memory and disk
-  budgets (``client.config``), device memory and disk, measured compute rate.
+  budgets (``client.config``), device memory and disk, measured compute rate, and
+  whether it can train adapters (peft installed).
 - ``train``: runs the server's assignment (``full``: the whole model under its plan;
   ``part``: a window of blocks and the head; ``adapter``: LoRA adapters on a frozen
-  base, replying with their factors only (``memory.lora``); ``none``: replies that
-  nothing fits, with the smallest budget that would) on its share of the data, and replies with the
-  trained ``arrays`` and ``metrics`` (``num-examples``, ``train-loss``, the measured
-  peak of its training work, the bytes of the message it received, ...). A stock
-  strategy's instruction (Flower's FedAvg: no ``kind`` or ``plan``) trains the whole
-  model under the node's own plan for its budget (``client.selfplan``), the run's
-  shape read from the run config where the strategy sent none; a budget that holds no
-  whole-model plan is an error reply naming it and the smallest that fits.
+  base, replying with their factors only (``memory.lora``; a node without peft, which
+  only the ``hf`` extra installs, refuses in one line, error code ``MISSING_EXTRA``);
+  ``none``: replies that nothing fits, with the smallest budget that would) on its
+  share of the data, and replies with the trained ``arrays`` and ``metrics``
+  (``num-examples``, ``train-loss``, the measured peak of its training work, the bytes
+  of the message it received, ...). A stock strategy's instruction (Flower's FedAvg:
+  no ``kind`` or ``plan``) trains the whole model under the node's own plan for its
+  budget (``client.selfplan``), the run's shape read from the run config where the
+  strategy sent none; a budget that holds no whole-model plan is an error reply naming
+  it and the smallest that fits.
 - ``evaluate``: evaluates the received arrays on the held-out data.
 
 Errors raised here become error replies: the round goes on without this node.
@@ -60,11 +63,12 @@ from client.config import (
 from client.ort_eval import evaluate_only
 from client.selfplan import is_stock_instruction, own_plan, reserve_bytes, stock_config
 from client.train import draw_batches, train_assigned
-from memory.lora import LoraSpec
+from memory.errors import MissingExtraError
+from memory.lora import LoraSpec, adapters_available, require_peft
 from memory.probes import measure_flops_per_s
 from memory.spec import MemoryPlan
 from wire import keys
-from wire.facts import NodeFacts
+from wire.facts import MISSING_EXTRA, NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
 from wire.reply import EvalReply, TrainReply
 from wire.shape import RunShape
@@ -87,6 +91,9 @@ def _error_reply(handler: Handler) -> Handler:
     def wrapped(msg: Message, context: Context) -> Message:
         try:
             return handler(msg, context)
+        except MissingExtraError as e:  # work this install cannot do: one line
+            log.warning("%s refused: %s", handler.__name__, e)
+            return Message(Error(MISSING_EXTRA, str(e)), reply_to=msg)
         except Exception as e:  # a failing client is data, not a crash
             log.warning("%s failed: %s: %s", handler.__name__, type(e).__name__, e)
             return Message(
@@ -121,6 +128,7 @@ def query(msg: Message, context: Context) -> Message:
         free_disk_bytes=free_disk_bytes(node.offload_dir),
         flops_per_s=measure_flops_per_s() * node.speed_factor,
         num_cpus=os.cpu_count() or 1,
+        adapters=adapters_available(),
     )
     return Message(
         RecordDict({keys.NODE: ConfigRecord(facts.to_record())}), reply_to=msg
@@ -244,6 +252,8 @@ def train(msg: Message, context: Context) -> Message:
     ins = TrainInstruction.from_config(config)
     shape = ins.shape
     check_workload_allowed(shape.workload, context.node_config)  # before any import
+    if ins.kind == "adapter":
+        require_peft()  # else one line naming the extra (MissingExtraError)
     if ins.kind == "none":
         log.warning("no part of the model fits this node: %s", ins.reason)
         evaluated = None

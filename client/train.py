@@ -62,7 +62,7 @@ from memory.materialize import StateSource
 from memory.measure import peak_rss_bytes, reset_peak, rss_bytes
 from memory.spec import MemoryPlan
 from partition.local import LocalExecutor
-from partition.measured import ChildRun, plain_steps, train_in_child
+from partition.measured import ChildRun, TrainFn, plain_steps, train_in_child
 from wire.windows import trained_keys
 from workloads import Workload
 
@@ -403,10 +403,13 @@ def train_assigned(
     ``adapters``: an ``adapter`` assignment; the result's state holds the factors
     (wire keys, ``memory.lora.factor_keys``), the model built and loaded whole."""
     if measure == "child":
-        from client.adapter_job import train_adapter_job
+        job: TrainFn = train_window_job
+        if adapters is not None:  # peft: only an adapter assignment needs it
+            from client.adapter_job import train_adapter_job
 
+            job = train_adapter_job
         state, m = train_in_child(
-            train_window_job if adapters is None else train_adapter_job,
+            job,
             workload,
             batches,
             plan=plan,

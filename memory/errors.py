@@ -75,3 +75,26 @@ class BudgetExceededError(MemoryPlanError):
         self.measured_bytes = measured_bytes
         self.budget_bytes = budget_bytes
         self.unit = unit
+
+
+class MissingExtraError(ImportError):
+    """A feature needs a package that only an extra of fleetfit installs.
+
+    The message is one line naming the package and the extra: "adapters need peft:
+    install the hf extra (bash scripts/install hf, or pip install 'fleetfit[hf]')".
+
+    Attributes:
+        feature: what needs the package ("adapters").
+        package: the missing package's import name ("peft").
+        extra: the extra that installs it ("hf").
+    """
+
+    def __init__(self, feature: str, package: str, extra: str) -> None:
+        super().__init__(
+            f"{feature} need {package}: install the {extra} extra (bash "
+            f"scripts/install {extra}, or pip install 'fleetfit[{extra}]')",
+            name=package,
+        )
+        self.feature = feature
+        self.package = package
+        self.extra = extra

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from memory.blocks import Block
+from memory.errors import MissingExtraError
 
 log = logging.getLogger(__name__)
 
@@ -295,15 +297,41 @@ def frozen_base_bytes(
     return held, transient
 
 
+def adapters_available() -> bool:
+    """Whether this install can add adapters: peft (the ``hf`` extra) is found.
+
+    Looked up, not imported (importing peft imports transformers: seconds and tens
+    of MB), so a node can say it in its query reply."""
+    try:
+        return importlib.util.find_spec("peft") is not None
+    except (ImportError, ValueError):  # a broken parent or module spec
+        return False
+
+
+def require_peft() -> None:
+    """Raise ``MissingExtraError`` (one line naming the ``hf`` extra) where this
+    install cannot add adapters."""
+    if not adapters_available():
+        raise MissingExtraError("adapters", "peft", "hf")
+
+
 def add_adapters(
     model: nn.Module, spec: LoraSpec, blocks: Sequence[Block]
 ) -> list[str]:
     """Add LoRA adapters (peft's ``inject_adapter_in_model``, module names kept) to
     ``model`` in place, freeze everything else and hold the frozen base in
     ``spec.base_dtype``; return the target paths. ``A`` is drawn from torch's global
-    generator (Kaiming-uniform), ``B`` is zero: the model computes what it did."""
-    from peft import LoraConfig, inject_adapter_in_model
+    generator (Kaiming-uniform), ``B`` is zero: the model computes what it did.
 
+    Raises:
+        MissingExtraError: peft is not installed (the ``hf`` extra).
+    """
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ModuleNotFoundError as e:
+        if e.name != "peft":
+            raise
+        raise MissingExtraError("adapters", "peft", "hf") from None
     paths = [p for ps in target_paths(model, blocks, spec) for p in ps]
     modules = dict(model.named_modules())
     transposed = {fan_in_fan_out(modules[p]) for p in paths}

@@ -24,7 +24,8 @@ machine for digits-cnn and gpt-byte, see docs/federation.md).
   ``lora-base-dtype``), the adapters their parameters, gradients and AdamW state,
   and every block from ``start`` up still keeps (or recomputes) its activations for
   the backward. ``auto``: a node that no whole-model plan fits gets an adapter before
-  a ``part`` window; ``all``: every node gets one.
+  a ``part`` window; ``all``: every node gets one. A node whose facts say it cannot
+  train adapters (``NodeFacts.adapters`` False: no peft) is assigned as with ``off``.
 - ``none``: not even the head alone fits: the node is told so, with the smallest budget
   that would get it a part.
 
@@ -173,18 +174,20 @@ class Assigner:
         usable = budget - self.reserve
         if self.strategy == "exclude":
             return self._plain_or_nothing(budget, disk, facts)
-        if self.adapters == "all":
+        # a node that cannot train adapters (no peft) is assigned as with them off
+        adapters = "off" if facts.adapters is False else self.adapters
+        if adapters == "all":
             got = self._adapter(budget, disk, facts)
             if got is not None:
                 return got
-        if usable > 0 and self.adapters != "all":
+        if usable > 0 and adapters != "all":
             try:
                 plan, _ = plan_units(self.profiles, usable, disk_budget_bytes=disk)
             except BudgetError:
                 pass
             else:
                 return self._timed("full", budget, disk, plan, None, facts)
-        if self.adapters == "auto":
+        if adapters == "auto":
             got = self._adapter(budget, disk, facts)
             if got is not None:
                 return got

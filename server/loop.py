@@ -38,7 +38,7 @@ from server.simtime import device_time, round_time
 from server.submodel import STRATEGIES as SUBMODEL_STRATEGIES
 from server.submodel import SubmodelAssigner, expand
 from wire import keys
-from wire.facts import NodeFacts
+from wire.facts import MISSING_EXTRA, NodeFacts
 from wire.instruction import TrainInstruction, resolve_measure
 from wire.reply import (
     MAX_TEXT,
@@ -173,6 +173,12 @@ class Federation:
                 reply.content.config_records.get(keys.NODE, {})
             )
             self.nodes[node_id] = facts
+            if facts.adapters is False and self.cfg.adapters.mode != "off":
+                log.warning(
+                    "node %s cannot train adapters (no peft: the hf extra): it gets "
+                    "other work",
+                    node_id,
+                )
             if refused:
                 msg = (
                     f"node {node_id}: facts refused ({', '.join(refused)[:300]}); "
@@ -489,6 +495,10 @@ class Federation:
                 errors.append(f"node {node_id}: {reason}")
                 reports[node_id] = {"status": f"error: {reason}"}
                 log.warning("node %s failed: %s", node_id, reason)
+                if a.kind == "adapter" and reply.error.code == MISSING_EXTRA:
+                    # it cannot train adapters: other work from the next round on
+                    facts = self.nodes.get(node_id, NodeFacts())
+                    self.nodes[node_id] = replace(facts, adapters=False)
                 continue
             try:  # the one reader: any fault of the reply is a MalformedReply
                 got, arrays = read_train_reply(

@@ -5,6 +5,11 @@ The node writes its facts with ``NodeFacts.to_record``; the server reads any rep
 type or out of range (an old or a misbehaving node: a budget of inf, NaN, 0 or 10**30
 bytes, a partition id of -1 or "abc") is ``None``, and the server treats the node as
 it treats one that did not answer (plain training of the whole model).
+
+``adapters`` says whether the node can train LoRA adapters (``memory.lora``: peft, which
+only the ``hf`` extra installs). A node that cannot is never given an ``adapter``
+assignment; one that did not say (an older node) may be, and if it then replies with
+an error of code ``MISSING_EXTRA`` the server records ``adapters=False`` for it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from wire.flat import read_tuple
 from wire.reply import MAX_BYTES
 
 BUDGET_SOURCES = ("node-config", "fleet", "measured")
+MISSING_EXTRA = 100
+"""``Error.code`` of a train reply refusing work that needs a package this node's
+install lacks (an extra of fleetfit); the reason names the extra in one line. Outside
+Flower's ``ErrorCode`` values (0-8)."""
 
 _KEY = {
     "partition_id": keys.PARTITION_ID,
@@ -30,6 +39,7 @@ _KEY = {
     "free_disk_bytes": keys.FREE_DISK_BYTES,
     "flops_per_s": keys.FLOPS_PER_S,
     "num_cpus": keys.NUM_CPUS,
+    "adapters": keys.ADAPTERS,
 }
 
 
@@ -56,6 +66,7 @@ class NodeFacts:
     free_disk_bytes: int | None = None
     flops_per_s: float | None = None  # measured fp32 matmul rate x fleet speed
     num_cpus: int | None = None
+    adapters: bool | None = None  # can train adapters (peft: the hf extra)
 
     def to_record(self) -> dict[str, Any]:
         """The facts as ConfigRecord values (facts not known are left out)."""
@@ -83,7 +94,10 @@ class NodeFacts:
             return cls(), [f"node record {str(record)[:40]!r}"]
         for name, key in _KEY.items():
             value: Any = record.get(key)
-            if name == "budget_source":
+            if name == "adapters":
+                ok = isinstance(value, bool)
+                values[name] = value if ok else None
+            elif name == "budget_source":
                 ok = isinstance(value, str) and value in BUDGET_SOURCES
                 values[name] = value if ok else None
             elif name == "flops_per_s":

@@ -57,6 +57,7 @@ AVAILABLE_MEMORY_BYTES = "available-memory-bytes"
 FREE_DISK_BYTES = "free-disk-bytes"
 FLOPS_PER_S = "flops-per-s"  # measured fp32 matmul rate (times the fleet speed)
 NUM_CPUS = "num-cpus"
+ADAPTERS = "adapters"  # can train adapters: peft is installed (the hf extra)
 
 # the fleet description (run config, and the server's query to nodes that have none)
 FLEET_MEMORY = "fleet-memory-budgets"  # comma-separated sizes by partition id

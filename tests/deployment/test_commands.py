@@ -21,14 +21,18 @@ import pytest
 import torch
 
 from server.persist import load_model
+from tests import base_install
 from tests.deployment.test_loopback import ROOT, Processes, free_port
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 FLEETFIT = [sys.executable, "-m", "fleetfit.cli"]
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=str(ROOT))
+def env(log: Path | None = None) -> dict[str, str]:
+    """The commands' environment, as on a base install: what only an extra installs
+    (peft, transformers, ...) cannot be imported in them or in what they start
+    (``tests/base_install.py``; ``log``: where the blocker notes the processes)."""
+    return base_install.env(dict(os.environ, FLWR_TELEMETRY_ENABLED="0"), log=log)
 
 
 def rounds_done(out: Path) -> int:
@@ -52,6 +56,7 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
     out = tmp_path / "run"
     procs = Processes(tmp_path)
     budgets = ["2GB", "400MB", "250MB"]
+    blocker = tmp_path / "blocker.log"
     try:
         clients = [
             procs.start(
@@ -70,7 +75,7 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
                     "--num-partitions",
                     "3",
                 ],
-                env(),
+                env(blocker),
             )
             for i, b in enumerate(budgets)
         ]
@@ -108,10 +113,13 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
             "no reply" in a["status"] or "error" in a["status"]
             for a in r2["assignments"]
         )
-        for a in r1["assignments"]:
-            assert a["kind"] == "full" and a["peak_method"] == "child"
+        for a in r1["assignments"]:  # a base install trains (issue 32, item 1)
+            assert a["kind"] == "full" and a["peak_method"] == "child", a
             assert 0 < a["measured_peak_bytes"] <= a["budget_bytes"], a
             assert a["message_bytes"] > 100_000
+        started = base_install.reached(blocker)  # the extras were blocked there too
+        assert any("flwr-clientapp" in c for c in started), started
+        assert any("partition.measured:train_child" in c for c in started), started
         # The surviving devices restart too (Flower SuperNodes give up on a dead
         # SuperLink); they come back with new node ids and are queried again.
         for c in clients[:2]:
@@ -168,7 +176,7 @@ def test_three_budgets_one_killed_then_server_killed_and_resumed(tmp_path):
     ref = tmp_path / "uninterrupted"
     done = subprocess.run(
         [sys.executable, "-c", REFERENCE, str(ref), ",".join(budgets)],
-        env=env(),
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # imports this test (pytest)
         capture_output=True,
         text=True,
         timeout=600,

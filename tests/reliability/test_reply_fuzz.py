@@ -158,6 +158,7 @@ NODE_KEYS = [
     keys.FREE_DISK_BYTES,
     keys.FLOPS_PER_S,
     keys.NUM_CPUS,
+    keys.ADAPTERS,
 ]
 RECORD_NAMES = [keys.ARRAYS, keys.METRICS, keys.REPORT, keys.CONFIG, keys.NODE]
 

@@ -1,8 +1,10 @@
-"""``fleetfit simulate`` as a user runs it: SIGTERM stops it as Ctrl-C does, and its
-stderr carries fleetfit's story, not its dependencies' debug lines and warnings."""
+"""``fleetfit simulate`` as a user of a base install (no extra) runs it: SIGTERM stops
+it as Ctrl-C does, its stderr carries fleetfit's story, not its dependencies' debug
+lines and warnings, and it trains."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fleetfit.cli import _descendants
+from tests import base_install
 
 pytestmark = [pytest.mark.simulation, pytest.mark.slow]
 
@@ -26,7 +29,11 @@ NODE_LINE = re.compile(
 
 
 def fleetfit(args: list[str], stderr_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FLWR_TELEMETRY_ENABLED="0")
+    """``fleetfit`` as a base install runs it: what only an extra installs (peft,
+    transformers, ...) cannot be imported (``tests/base_install.py``), in it and
+    in what it starts (Ray's workers, the measuring children)."""
+    log = stderr_path.with_name("blocker.log")
+    env = base_install.env(dict(os.environ, FLWR_TELEMETRY_ENABLED="0"), log=log)
     env.pop("RAY_ADDRESS", None)
     with stderr_path.open("wb") as err:  # a file: a full pipe would stall the run
         return subprocess.Popen(
@@ -84,7 +91,13 @@ def test_sigterm_stops_a_simulation_and_what_it_started(tmp_path):
 
 def test_simulate_without_v_prints_no_dependency_noise(tmp_path):
     out, err = tmp_path / "run", tmp_path / "stderr.txt"
-    p = fleetfit(["simulate", *SMALL, "--rounds", "1", "--out", str(out)], err)
+    fleet = tmp_path / "fleet.toml"  # budgets: each device measured in a child
+    fleet.write_text(
+        'name = "two"\nclients = 2\nworkload = "digits-mlp"\nlocal-steps = 5\n'
+        'split = "iid"\n[[classes]]\nname = "1GB"\nshare = 1.0\nmemory = "1GB"\n'
+    )
+    args = ["simulate", "--fleet", str(fleet), "--no-progress", "--rounds", "1"]
+    p = fleetfit([*args, "--out", str(out)], err)
     try:
         p.wait(timeout=300)
     finally:
@@ -93,6 +106,14 @@ def test_simulate_without_v_prints_no_dependency_noise(tmp_path):
             p.wait()
     text = err.read_text()
     assert p.returncode == 0, text[-3000:]
+    # a base install trains: every device measured in a child, with the extras
+    # unimportable in Ray's workers and the children too (issue 32, item 1)
+    summary = json.loads((out / "summary.json").read_text())
+    for a in summary["rounds"][0]["assignments"]:
+        assert (a["status"], a["peak_method"]) == ("ok", "child"), a
+    started = base_install.reached(tmp_path / "blocker.log")
+    assert any("default_worker.py" in c for c in started), started
+    assert any("partition.measured:train_child" in c for c in started), started
     assert "INFO server.loop: round 1: accuracy" in text  # the round's summary stays
     assert "DEBUG" not in text, text  # Flower's debug lines, the per-node lines
     assert "deprecated" not in text.lower(), text  # Flower's run_simulation warning

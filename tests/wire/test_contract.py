@@ -152,7 +152,7 @@ def test_an_evaluate_reply_reads_back_and_refuses_what_is_missing():
 
 
 def test_node_facts_read_back_and_nonsense_is_none():
-    facts = NodeFacts(0, 4, 2**28, 0, "fleet", 2**34, 2**33, 2**35, 1e9, 2)
+    facts = NodeFacts(0, 4, 2**28, 0, "fleet", 2**34, 2**33, 2**35, 1e9, 2, False)
     assert NodeFacts.from_record(facts.to_record()) == facts
     assert NodeFacts.from_record({}) == NodeFacts() and NodeFacts().budget_bytes is None
     crafted = {
@@ -162,6 +162,7 @@ def test_node_facts_read_back_and_nonsense_is_none():
         keys.BUDGET_SOURCE: "trust me",
         keys.FLOPS_PER_S: -1.0,
         keys.NUM_CPUS: [4],
+        keys.ADAPTERS: 1,  # not a bool
     }
     assert NodeFacts.from_record(crafted) == NodeFacts()
 
