@@ -178,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
     summary = simulate(settings)
     print(format_rounds(summary))
     print(f"\nrun folder: {out}")
+    from server.loop import no_update_reason
+
+    failure = no_update_reason(summary)  # a run that trained nothing is no success
+    if failure:
+        print(f"fleetfit simulate: {failure}; see {out}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -366,3 +366,33 @@ def test_a_failed_export_leaves_no_onnx(tmp_path, capsys, monkeypatch):
     refused(capsys, argv, "ONNX Runtime cannot run m.onnx")
     assert out.read_bytes() == b"the export of yesterday"
     assert [p.name for p in out.parent.iterdir()] == ["m.onnx"]
+
+
+def test_simulate_that_trained_nothing_exits_1_naming_why(
+    tmp_path, capsys, monkeypatch
+):
+    """A simulation in which no round accepted an update ends with exit 1 and the
+    reason (it used to print the table and exit 0, as if the model had trained)."""
+    import simulations.run
+
+    summary = {
+        "rounds": [
+            {
+                "round": 1,
+                "num_clients": 0,
+                "num_sampled": 2,
+                "accuracy": 0.1,
+                "loss": 2.3,
+                "train_loss": None,
+                "round_s": 1.0,
+                "errors": [],
+                "assignments": [{"status": "error: ModuleNotFoundError: peft"}],
+            }
+        ]
+    }
+    monkeypatch.setattr(simulations.run, "simulate", lambda settings: summary)
+    argv = ["simulate", "--rounds", "1", "--clients", "2", "--out", str(tmp_path / "r")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no update was accepted in any of 1 round(s)" in err, err
+    assert "ModuleNotFoundError: peft" in err, err
