@@ -20,3 +20,18 @@ torch.set_num_threads(1)
 @pytest.fixture
 def tmp_out(tmp_path):
     return tmp_path / "run"
+
+
+@pytest.fixture
+def no_start(monkeypatch):
+    """Fail the test if ``fleetfit server`` starts anything (its supervisor, the
+    SuperLink, nginx); SIGTERM keeps pytest's handler."""
+    from fleetfit import cmd_federation, proxy, supervise
+
+    def started(*a, **k):
+        pytest.fail(f"started a process: {a[0] if a else k}")
+
+    monkeypatch.setattr(cmd_federation, "_exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(cmd_federation, "_start", started)
+    monkeypatch.setattr(supervise, "Supervisor", started)
+    monkeypatch.setattr(proxy, "start_nginx", started)

@@ -16,14 +16,12 @@ from tests.deployment.test_commands import make_tls
 
 
 @pytest.fixture
-def no_start(monkeypatch):
-    """Fail the test if a SuperLink, SuperNode or other Flower process starts."""
+def no_start(no_start, monkeypatch):
+    """Also fail the test if any other process starts (a SuperNode, ``flwr``)."""
 
     def started(*a, **k):
         pytest.fail(f"started a process: {a[0] if a else k}")
 
-    monkeypatch.setattr(cmd_federation, "_exit_on_sigterm", lambda: None)
-    monkeypatch.setattr(cmd_federation, "_start", started)
     monkeypatch.setattr(subprocess, "Popen", started)
     monkeypatch.setattr(subprocess, "run", started)
 
@@ -126,7 +124,6 @@ def test_a_key_the_app_does_not_declare_is_named(
     """Every ServerConfig key is declared in pyproject.toml (tests/test_cli.py); a
     user's edited app that drops one is refused before anything starts, not with
     Flower's bare "Invalid run configuration" after the SuperLink started."""
-    from fleetfit import cmd_federation
 
     declared = cmd_federation.app_run_config_keys()
     monkeypatch.setattr(

@@ -26,19 +26,6 @@ NO_SUCH_PID = 4_194_305  # above Linux's largest pid_max: no process has it
 
 
 @pytest.fixture
-def no_start(monkeypatch):
-    """Fail the test if anything starts (the supervisor, the SuperLink, nginx)."""
-
-    def started(*a, **k):
-        pytest.fail(f"started a process: {a[0] if a else k}")
-
-    monkeypatch.setattr(cmd_federation, "_exit_on_sigterm", lambda: None)
-    monkeypatch.setattr(cmd_federation, "_start", started)
-    monkeypatch.setattr(supervise, "Supervisor", started)
-    monkeypatch.setattr(proxy, "start_nginx", started)
-
-
-@pytest.fixture
 def listening():
     """A socket of this process listening on a free loopback port."""
     with socket.socket() as sock:

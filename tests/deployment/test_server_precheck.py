@@ -9,19 +9,10 @@ import subprocess
 
 import pytest
 
-from fleetfit import cmd_federation, proxy
+from fleetfit import proxy
 from fleetfit.cli import main
 from tests.deployment.test_commands import FLEETFIT, env, make_tls
 from tests.deployment.test_loopback import ROOT, free_port
-
-
-@pytest.fixture
-def no_start(monkeypatch):
-    monkeypatch.setattr(cmd_federation, "_exit_on_sigterm", lambda: None)
-    monkeypatch.setattr(
-        cmd_federation, "_start", lambda *a: pytest.fail("started a SuperLink")
-    )
-    monkeypatch.setattr(proxy, "start_nginx", lambda *a: pytest.fail("started nginx"))
 
 
 @pytest.mark.parametrize(
