@@ -65,10 +65,18 @@ def _cnn_fleet(pretrain):
     )
 
 
-@pytest.mark.simulation
-def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
+def test_compare_pretrains_each_model_once_and_records_simulated_time(
+    tmp_path, monkeypatch
+):
+    """Three strategies over in-process ClientApps (the same server and clients as
+    on the engine, without Ray: ``test_compare_baselines.in_process``); a comparison
+    on Flower's engine with pretraining is
+    ``test_compare_trains_each_model_at_its_pretraining_lr``."""
+    import simulations.compare
     from simulations.compare import compare
+    from tests.simulations.test_compare_baselines import in_process
 
+    monkeypatch.setattr(simulations.compare, "simulate", in_process)
     fleet = _cnn_fleet({"share": 0.2, "steps": 5})
     out = tmp_path / "out"
     result = compare(
