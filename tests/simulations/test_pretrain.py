@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -186,6 +187,7 @@ def test_compare_trains_each_model_at_its_pretraining_lr(tmp_path):
         out,
         client_measure="inline",
         progress=False,
+        cpus_per_client=min(2, os.cpu_count() or 1),  # 2 cores: 1 actor, 2 nodes
         lr_from_pretrain=True,
         pretrain_dir=tmp_path / "cache",
     )
