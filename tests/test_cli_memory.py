@@ -25,8 +25,14 @@ def last_json(out: subprocess.CompletedProcess) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_plan_json_reports_the_smallest_budget():
-    d = last_json(fleetfit("memory", "plan", "--workload", "gpt-tiny", "--json"))
+def plan_json(capsys) -> dict:
+    """``fleetfit memory plan --workload gpt-tiny --json`` in this process."""
+    assert main(["memory", "plan", "--workload", "gpt-tiny", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_plan_json_reports_the_smallest_budget(capsys):
+    d = plan_json(capsys)
     assert d["min_budget_bytes"] > 0
     assert d["predicted_peak_bytes"] == d["min_budget_bytes"]
     assert [b["name"] for b in d["plan"]["blocks"]] == [
@@ -38,7 +44,9 @@ def test_plan_json_reports_the_smallest_budget():
 
 
 @pytest.mark.slow
-def test_run_under_a_budget_equals_plain_and_fits(tmp_path):
+def test_run_under_a_budget_equals_plain_and_fits(tmp_path, capsys):
+    """Both runs as ``fleetfit`` subprocesses (the command's JSON on stdout), the
+    smallest budget planned in this process."""
     plain = last_json(
         fleetfit(
             "memory",
@@ -53,7 +61,7 @@ def test_run_under_a_budget_equals_plain_and_fits(tmp_path):
             str(tmp_path / "plain.safetensors"),
         )
     )
-    smallest = last_json(fleetfit("memory", "plan", "--workload", "gpt-tiny", "--json"))
+    smallest = plan_json(capsys)
     budget = str(smallest["min_budget_bytes"] + 2**20)
     planned = last_json(
         fleetfit(

@@ -9,6 +9,7 @@ import torch
 
 from memory.errors import MeasurementError
 from memory.measure import (
+    child_env,
     measure_in_child,
     peak_rss_bytes,
     reset_peak,
@@ -19,8 +20,29 @@ from memory.measure import (
 MB = 10**6
 
 
-def test_child_measures_an_allocation_above_its_baseline():
-    m = measure_in_child("memhelpers:allocate", {"num_bytes": 200 * MB})
+@pytest.fixture(scope="module")
+def big():
+    """One child allocating 200 MB, its target given as a function object."""
+    import memhelpers
+
+    return measure_in_child(memhelpers.allocate, {"num_bytes": 200 * MB})
+
+
+@pytest.fixture(scope="module")
+def small():
+    """One child allocating 20 MB, its target and warm-up given as function objects
+    (a static method: imported by its qualified name)."""
+    import memhelpers
+
+    return measure_in_child(
+        memhelpers.Targets.allocate,
+        {"num_bytes": 20 * MB},
+        warmup=(memhelpers.sleep, {"seconds": 0}),
+    )
+
+
+def test_child_measures_an_allocation_above_its_baseline(big):
+    m = big
     # torch alone is ~250 MB resident: the baseline must include it
     assert m.baseline_bytes > 100 * MB
     # the allocation plus a few MB of interpreter noise, never the baseline
@@ -31,10 +53,8 @@ def test_child_measures_an_allocation_above_its_baseline():
     assert m.cuda_peak_bytes is None
 
 
-def test_peak_scales_with_the_allocation():
-    small = measure_in_child("memhelpers:allocate", {"num_bytes": 20 * MB})
-    big = measure_in_child("memhelpers:allocate", {"num_bytes": 120 * MB})
-    assert big.peak_bytes - small.peak_bytes == pytest.approx(100 * MB, rel=0.03)
+def test_peak_scales_with_the_allocation(big, small):
+    assert big.peak_bytes - small.peak_bytes == pytest.approx(180 * MB, rel=0.03)
 
 
 def test_child_errors_come_back_with_their_traceback():
@@ -53,21 +73,15 @@ def test_missing_target_and_bad_kwargs():
         measure_in_child("memhelpers:allocate", {"num_bytes": object()})
 
 
-def test_a_function_object_runs_as_the_target():
+def test_a_function_object_runs_as_the_target(big, small):
+    """``big``'s child ran a function object; ``small``'s a static method (imported
+    by its qualified name) and a warm-up given as function objects."""
     import memhelpers
 
-    m = measure_in_child(memhelpers.allocate, {"num_bytes": 20 * MB})
-    assert m.result == {"sum": pytest.approx(20 * MB / 4 / 4096, rel=1e-3)}
     assert target_name(memhelpers.allocate) == "memhelpers:allocate"
     assert target_name(memhelpers.Targets.allocate) == "memhelpers:Targets.allocate"
-    # a static method is imported by its qualified name
-    m = measure_in_child(memhelpers.Targets.allocate, {"num_bytes": 4 * 4096 * 16})
-    assert m.result == {"sum": 16.0}
-    # the warm-up may be a function object too
-    m = measure_in_child(
-        memhelpers.getenv, {"keys": []}, warmup=(memhelpers.sleep, {"seconds": 0})
-    )
-    assert m.result == {}
+    assert big.result == {"sum": pytest.approx(200 * MB / 4 / 4096, rel=1e-3)}
+    assert small.result == {"sum": pytest.approx(20 * MB / 4 / 4096, rel=1e-3)}
 
 
 def _nested_target() -> None:
@@ -105,17 +119,24 @@ def test_timeout_kills_the_child():
 
 def test_env_reaches_the_child_and_the_allocator_settings_are_fixed():
     keys = ["MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM", "T_X"]
-    m = measure_in_child("memhelpers:getenv", {"keys": keys}, env={"T_X": "x"})
-    assert m.result == {
+    # the allocators' settings unless the caller's env sets them; the caller's env
+    # overrides them
+    assert {k: child_env().get(k) for k in keys[:2]} == {
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "MKL_DISABLE_FAST_MM": "1",
+    }
+    assert child_env({"MKL_DISABLE_FAST_MM": "0"})["MKL_DISABLE_FAST_MM"] == "0"
+    # all of it reaches the child: a fixed setting, an overridden one, a new one
+    m = measure_in_child(
+        "memhelpers:getenv",
+        {"keys": keys},
+        env={"T_X": "x", "MKL_DISABLE_FAST_MM": "0"},
+    )
+    assert m.result == {
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "MKL_DISABLE_FAST_MM": "0",
         "T_X": "x",
     }
-    # the caller's env overrides them
-    m = measure_in_child(
-        "memhelpers:getenv", {"keys": keys[1:2]}, env={"MKL_DISABLE_FAST_MM": "0"}
-    )
-    assert m.result == {"MKL_DISABLE_FAST_MM": "0"}
     # a target must answer a dict
     with pytest.raises(MeasurementError, match="returned str, not a dict"):
         measure_in_child("os:getenv", {"key": "HOME"})

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
@@ -24,8 +25,14 @@ def run(tmp_path, transport, seed=0, **kw):
     return Federation(cfg, transport).run(), tmp_path / "run"
 
 
-def test_federation_writes_run_folder_and_improves(tmp_path):
-    summary, out = run(tmp_path, DirectTransport(3))
+@pytest.fixture(scope="module")
+def seed0(tmp_path_factory):
+    """Three nodes, seed 0: one run read by two tests."""
+    return run(tmp_path_factory.mktemp("seed0"), DirectTransport(3))
+
+
+def test_federation_writes_run_folder_and_improves(seed0):
+    summary, out = seed0
     assert [r["round"] for r in summary["rounds"]] == [1, 2]
     assert all(r["num_clients"] == 3 for r in summary["rounds"])
     assert summary["rounds"][-1]["accuracy"] > 0.3
@@ -69,9 +76,9 @@ def test_failed_and_malformed_clients_do_not_stop_the_round(tmp_path):
         assert torch.isfinite(torch.tensor(r["loss"]))
 
 
-def test_same_seed_same_model_bits(tmp_path):
-    a, out_a = run(tmp_path / "a", DirectTransport(3), seed=7)
-    b, out_b = run(tmp_path / "b", DirectTransport(3), seed=7)
+def test_same_seed_same_model_bits(seed0, tmp_path):
+    _, out_a = seed0
+    b, out_b = run(tmp_path / "b", DirectTransport(3), seed=0)
     sa, _ = load_model(out_a / "model.safetensors")
     sb, _ = load_model(out_b / "model.safetensors")
     assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -65,10 +66,18 @@ def _cnn_fleet(pretrain):
     )
 
 
-@pytest.mark.simulation
-def test_compare_pretrains_each_model_once_and_records_simulated_time(tmp_path):
+def test_compare_pretrains_each_model_once_and_records_simulated_time(
+    tmp_path, monkeypatch
+):
+    """Three strategies over in-process ClientApps (the same server and clients as
+    on the engine, without Ray: ``test_compare_baselines.in_process``); a comparison
+    on Flower's engine with pretraining is
+    ``test_compare_trains_each_model_at_its_pretraining_lr``."""
+    import simulations.compare
     from simulations.compare import compare
+    from tests.simulations.test_compare_baselines import in_process
 
+    monkeypatch.setattr(simulations.compare, "simulate", in_process)
     fleet = _cnn_fleet({"share": 0.2, "steps": 5})
     out = tmp_path / "out"
     result = compare(
@@ -178,6 +187,7 @@ def test_compare_trains_each_model_at_its_pretraining_lr(tmp_path):
         out,
         client_measure="inline",
         progress=False,
+        cpus_per_client=min(2, os.cpu_count() or 1),  # 2 cores: 1 actor, 2 nodes
         lr_from_pretrain=True,
         pretrain_dir=tmp_path / "cache",
     )
