@@ -375,7 +375,7 @@ def run_rounds(draw: Draw, rounds: int = ROUNDS) -> tuple[str | None, int]:
     transport = HostileTransport(HONEST, HOSTILE, on_query, on_train)
     with tempfile.TemporaryDirectory(prefix="fleetfit-fuzz-") as out:
         fed = Federation(make_config(out, rounds=rounds), transport)
-        fed.assigner.assign = assign_once(fed.assigner.assign)  # type: ignore[method-assign]
+        fed.assigner.assign = assign_once(fed.assigner.assign)  # type: ignore[assignment, method-assign]
         for r in range(1, rounds + 1):
             state["round"] = r
             try:
