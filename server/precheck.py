@@ -65,13 +65,12 @@ def load_init_model(model: nn.Module, path: str, workload: str) -> None:
             (naming the file and the fix).
     """
     state = read_init_model(path)
-    try:
-        _load(model, state)
-    except RuntimeError as e:  # keys or shapes of another model
-        raise ValueError(
-            f"run-config init-model={path!r} does not fit {workload} "
-            f"({_one_line(e)}): give a model of this workload"
-        ) from None
+    _load(
+        model,
+        state,
+        f"run-config init-model={path!r} does not fit {workload}",
+        ": give a model of this workload",
+    )
     log.info("model starts from %s", path)
 
 
@@ -100,13 +99,12 @@ def load_resume(
                 f"cannot resume {out}: it was run with {key}={old[key]!r}, this run "
                 f"has {key}={new[key]!r}; {fix}"
             )
-    try:
-        _load(model, state)
-    except RuntimeError as e:  # keys or shapes of another model
-        raise ValueError(
-            f"cannot resume {out}: its saved model does not fit "
-            f"{cfg.shape.workload} ({_one_line(e)}); {fix}"
-        ) from None
+    _load(
+        model,
+        state,
+        f"cannot resume {out}: its saved model does not fit {cfg.shape.workload}",
+        f"; {fix}",
+    )
     if server_opt.active:
         opt_state = persist.load_server_opt_state(out)
         if opt_state is None:
@@ -150,11 +148,20 @@ def check_start(cfg: ServerConfig) -> None:
         load_resume(cfg, model, ServerOptimizer(cfg.server_opt, names))
 
 
-def _load(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def _load(
+    model: nn.Module, state: dict[str, torch.Tensor], mismatch: str, fix: str
+) -> None:
     """``load_state_dict`` (strict); a skeleton on ``meta`` takes the tensors as
-    they are (same checks of keys and shapes, nothing copied)."""
+    they are (same checks of keys and shapes, nothing copied).
+
+    Raises:
+        ValueError: another model's keys or shapes: ``mismatch (what differs)fix``.
+    """
     on_meta = any(t.is_meta for t in model.state_dict().values())
-    model.load_state_dict(state, assign=on_meta)
+    try:
+        model.load_state_dict(state, assign=on_meta)
+    except RuntimeError as e:
+        raise ValueError(f"{mismatch} ({_one_line(e)}){fix}") from None
 
 
 def _one_line(e: BaseException) -> str:
