@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from memory import warmstart
 from memory.errors import MeasurementError
 
 MALLOC_MMAP_THRESHOLD = 65536
@@ -314,25 +315,35 @@ def measure_in_child(
         raise ValueError(f"kwargs for {target} must be JSON-serialisable: {e}") from e
     with tempfile.TemporaryDirectory(prefix="fleetfit-measure-") as tmp:
         out_path = os.path.join(tmp, "answer.json")
-        cmd = [sys.executable, "-c", _CHILD, out_path, target, kwargs_json]
-        cmd.append(",".join(preload))
-        cmd.append(json.dumps(list(warmup) if warmup else None))
+        argv = [out_path, target, kwargs_json, ",".join(preload)]
+        argv.append(json.dumps(list(warmup) if warmup else None))
+        full_env = child_env(env)
         try:
-            proc = subprocess.run(
-                cmd,
-                env=child_env(env),
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired as e:
+            warm = warmstart.run_warm(_CHILD, argv, full_env, tmp, timeout_s)
+        except warmstart.WarmTimeout as e:
             raise MeasurementError(
                 f"{target} ran past its timeout of {timeout_s:g} s in the measuring child"
             ) from e
-        stderr = proc.stderr or ""
+        if warm is not None:
+            returncode, stderr = warm.returncode, warm.stderr
+        else:
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-c", _CHILD, *argv],
+                    env=full_env,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout_s,
+                )
+            except subprocess.TimeoutExpired as e:
+                raise MeasurementError(
+                    f"{target} ran past its timeout of {timeout_s:g} s in the "
+                    "measuring child"
+                ) from e
+            returncode, stderr = proc.returncode, proc.stderr or ""
         if not os.path.exists(out_path):
             raise MeasurementError(
-                f"the measuring child of {target} exited with code {proc.returncode} "
+                f"the measuring child of {target} exited with code {returncode} "
                 f"without an answer (killed, out of memory?); its stderr ends:\n"
                 f"{stderr[-4000:]}"
             )

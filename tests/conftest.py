@@ -6,6 +6,7 @@ import os
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("FLEETFIT_WARM_CHILDREN", "1")  # memory.warmstart: forked children
 if "FLEETFIT_CACHE_DIR" not in os.environ:  # the machine cache of this test session
     import tempfile
 
@@ -15,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+pytest_plugins = ["tests.tiers"]  # tiers by what a test starts, and the reaper
 
 
 @pytest.fixture
