@@ -241,7 +241,12 @@ class _Server:
         return self.proc.poll() is None
 
     def run(
-        self, code: str, argv: list[str], env: dict[str, str], tmp: str, timeout_s: float
+        self,
+        code: str,
+        argv: list[str],
+        env: dict[str, str],
+        tmp: str,
+        timeout_s: float,
     ) -> WarmResult:
         assert self.proc.stdin is not None
         err = os.path.join(tmp, "warm-stderr.txt")
@@ -302,7 +307,9 @@ def _project_root(env: dict[str, str]) -> str | None:
 
 def _key(env: dict[str, str]) -> tuple[object, ...]:
     start = tuple(
-        sorted((k, v) for k, v in env.items() if _START_KEYS.match(k) and k != "PYTHONPATH")
+        sorted(
+            (k, v) for k, v in env.items() if _START_KEYS.match(k) and k != "PYTHONPATH"
+        )
     )
     return (sys.executable, os.getpid(), start, _project_root(env))
 

@@ -183,7 +183,11 @@ def _wrap_run_warm() -> None:
     real = warmstart.run_warm
 
     def run_warm(*args: Any, **kwargs: Any) -> Any:
-        if _inflight[0] and _current["item"] is not None and tier_of(_current["item"]) == "child":
+        if (
+            _inflight[0]
+            and _current["item"] is not None
+            and tier_of(_current["item"]) == "child"
+        ):
             _current["problems"].append(
                 "a child-tier test measured two children at once: mark it "
                 "@pytest.mark.heavy"

@@ -39,10 +39,15 @@ def _gpt2(plan: str) -> tuple[str, dict, tuple, tuple]:
     spec = None
     if plan == "smallest":
         model, (x, y) = build("gpt2")
-        chosen, _ = plan_units(unit_profiles(model, x, y), None, disk_budget_bytes=2**31)
+        chosen, _ = plan_units(
+            unit_profiles(model, x, y), None, disk_budget_bytes=2**31
+        )
         assert isinstance(chosen, MemoryPlan)
         spec = chosen.to_dict()
-    factory = {"factory": "tests.hf.models:build_batch", "factory_kwargs": {"name": "gpt2"}}
+    factory = {
+        "factory": "tests.hf.models:build_batch",
+        "factory_kwargs": {"name": "gpt2"},
+    }
     return (
         "memory.step:train_measured",
         dict(factory | {"plan": spec, "steps": 2}),
@@ -128,7 +133,9 @@ def test_a_warm_child_has_the_callers_directory_path_and_environment(
     assert m.result == {"cwd": str(tmp_path), "x": "7"}
     assert len(warmstart.server_pids()) == 1
     got = measure_in_child(
-        "memhelpers:getenv", {"keys": ["MALLOC_ARENA_MAX"]}, env={"MALLOC_ARENA_MAX": "2"}
+        "memhelpers:getenv",
+        {"keys": ["MALLOC_ARENA_MAX"]},
+        env={"MALLOC_ARENA_MAX": "2"},
     )
     assert got.result == {"MALLOC_ARENA_MAX": "2"}
     assert len(warmstart.server_pids()) == 2
