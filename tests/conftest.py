@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-pytest_plugins = ["tests.tiers"]  # tiers by what a test starts, and the reaper
+pytest_plugins = ["tests.tiers", "pytester"]  # tiers by what a test starts, and the reaper
 
 
 @pytest.fixture

@@ -29,6 +29,8 @@ import _posixsubprocess
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -103,11 +105,8 @@ _real_fork = os.fork
 
 
 def _warm_pids() -> set[int]:
-    try:
-        from memory import warmstart
-    except ImportError:
-        return set()
-    return set(warmstart.server_pids())
+    warmstart = sys.modules.get("memory.warmstart")  # never imported here: torch
+    return set(warmstart.server_pids()) if warmstart else set()
 
 
 def _live(pids: list[int]) -> list[int]:
@@ -145,20 +144,39 @@ def _note_start(command: str) -> None:
             )
 
 
-def _fork_exec(args: Any, *rest: Any) -> int:
-    try:
-        command = " ".join(
-            a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in args
-        )
-    except TypeError:
-        command = repr(args)
-    warm = "# fleetfit warm server" in command  # lives across tests: counted per child
-    if not warm:
-        _note_start(command)
-    pid = _real_fork_exec(args, *rest)
-    if not warm and _current["item"] is not None:
+def _command(args: Any) -> str:
+    if isinstance(args, (str, bytes)):
+        args = [args]
+    return " ".join(
+        a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in args
+    )
+
+
+def _started(command: str, pid: int) -> None:
+    if "# fleetfit warm server" in command:
+        # lives across tests; its children count per call (run_warm below), but
+        # starting one is a start all the same for a test that may start nothing
+        item = _current["item"]
+        if item is not None and tier_of(item) == "default":
+            _note_start("a warm measuring server (memory.warmstart)")
+        return
+    _note_start(command)
+    if _current["item"] is not None:
         _current["started"].append(pid)
-    return int(pid)
+
+
+_real_execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+
+def _execute_child(self: subprocess.Popen, args: Any, *rest: Any) -> None:
+    _real_execute_child(self, args, *rest)
+    _started(_command(args), self.pid)
+
+
+def _fork_exec(args: Any, *rest: Any) -> int:  # multiprocessing's spawn
+    pid = int(_real_fork_exec(args, *rest))
+    _started(_command(args), pid)
+    return pid
 
 
 def _fork() -> int:
@@ -169,6 +187,7 @@ def _fork() -> int:
     return pid
 
 
+subprocess.Popen._execute_child = _execute_child  # type: ignore[attr-defined]
 _posixsubprocess.fork_exec = _fork_exec
 os.fork = _fork
 _inflight = [0]
@@ -176,9 +195,8 @@ _inflight = [0]
 
 def _wrap_run_warm() -> None:
     # A measured child forked by a warm server is a process the test started.
-    try:
-        from memory import warmstart
-    except ImportError:
+    warmstart = sys.modules.get("memory.warmstart")
+    if warmstart is None or getattr(warmstart.run_warm, "_tiers", False):
         return
     real = warmstart.run_warm
 
@@ -199,10 +217,8 @@ def _wrap_run_warm() -> None:
         finally:
             _inflight[0] -= 1
 
-    warmstart.run_warm = run_warm  # type: ignore[assignment]
-
-
-_wrap_run_warm()
+    run_warm._tiers = True  # type: ignore[attr-defined]
+    warmstart.run_warm = run_warm
 
 
 def _children() -> dict[int, psutil.Process]:
@@ -221,6 +237,7 @@ def _describe(p: psutil.Process) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    _wrap_run_warm()
     _current.update(item=item, started=[], problems=[], before=set(_children()))
     return (yield)
 

@@ -1,0 +1,103 @@
+"""tests/tiers.py, run on a suite of its own in one pytest subprocess: the tiers are
+selected and enforced, markers are strict, and the reaper kills what a test leaves."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.child
+
+SUITE = """
+import subprocess, sys, time
+import pytest
+
+def test_quiet():
+    pass
+
+def test_starts_unmarked():
+    subprocess.run(["true"], check=True)
+
+@pytest.mark.child
+def test_one_at_a_time():
+    subprocess.run(["true"], check=True)
+    subprocess.run(["true"], check=True)
+
+@pytest.mark.child
+def test_two_at_once():
+    a = subprocess.Popen(["sleep", "2"])
+    b = subprocess.Popen(["sleep", "2"])
+    a.wait(); b.wait()
+
+@pytest.mark.child
+def test_a_heavy_command():
+    subprocess.run(["sh", "-c", "exit 0", "flower-superlink"], check=True)
+
+@pytest.mark.child
+def test_leaves_a_process():
+    p = subprocess.Popen(["sleep", "300"])
+    with open("left.pid", "w") as f:
+        f.write(str(p.pid))
+
+@pytest.mark.simulation
+def test_simulation_is_heavy():
+    a = subprocess.Popen(["sleep", "1"])
+    b = subprocess.Popen(["sleep", "1"])
+    a.wait(); b.wait()
+"""
+
+
+@pytest.fixture
+def suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> pytest.Pytester:
+    pytester.makepyfile(test_suite=SUITE)
+    pytester.makeini(
+        textwrap.dedent(
+            """
+            [pytest]
+            addopts = --strict-markers -p tests.tiers -p no:cacheprovider
+            testpaths = .
+            markers =
+                child: one at a time
+                heavy: many
+                simulation: Ray
+                deployment: SuperLink
+            """
+        )
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", repo)
+    return pytester
+
+
+def test_tiers_are_selected_enforced_and_reaped(suite: pytest.Pytester) -> None:
+    # a bare run: the default tier only
+    r = suite.runpytest_subprocess()
+    r.assert_outcomes(passed=2, errors=1, deselected=5)  # a teardown error: passed + 1
+    r.stdout.fnmatch_lines(["*default-tier test started a process (true)*mark it*"])
+    # one tier
+    r = suite.runpytest_subprocess("--tier", "child", "-k", "not leaves")
+    r.assert_outcomes(passed=3, errors=2, deselected=4)
+    r.stdout.fnmatch_lines(["*while another of its own still ran*@pytest.mark.heavy*"])
+    r.stdout.fnmatch_lines(["*started a heavy tier's process*flower-superlink*"])
+    # naming the file runs every tier; the reaper kills what a test left
+    r = suite.runpytest_subprocess("test_suite.py", "-k", "leaves or simulation")
+    r.assert_outcomes(passed=2, errors=1, deselected=5)
+    r.stdout.fnmatch_lines(
+        ["*left 1 process(es) running after its teardown, killed*sleep 300*"]
+    )
+    pid = int((suite.path / "left.pid").read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+def test_an_unknown_marker_is_an_error(suite: pytest.Pytester) -> None:
+    suite.makepyfile(
+        test_typo="import pytest\n@pytest.mark.chlid\ndef test_x():\n    pass\n"
+    )
+    r = suite.runpytest_subprocess("test_typo.py")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*'chlid' not found in `markers` configuration option*"])
