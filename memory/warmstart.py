@@ -26,7 +26,8 @@ loaded, as it finds torch: library code counts in the baseline either way.
 Warm starts are on when ``FLEETFIT_WARM_CHILDREN=1`` (the test suite sets it; a
 command that measures many children in a row may). A server is kept per
 interpreter, start-time environment and project checkout; it ends with its caller
-(``PR_SET_PDEATHSIG``, and at the end of its input), and its child ends with it. A
+(``PR_SET_PDEATHSIG``, set from one long-lived thread of the caller, and at the end
+of its input), and its child ends with it. A
 call that cannot run warm (not Linux, a busy server, a server that failed to start)
 runs in a fresh process: the caller sees no difference but the time.
 """
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 WARM_ENV = "FLEETFIT_WARM_CHILDREN"
@@ -297,6 +299,18 @@ _servers: dict[tuple[object, ...], list[_Server]] = {}
 _servers_lock = threading.Lock()
 
 
+_spawner_pool: list[ThreadPoolExecutor] = []
+
+
+def _spawner() -> ThreadPoolExecutor:
+    with _servers_lock:
+        if not _spawner_pool:
+            _spawner_pool.append(
+                ThreadPoolExecutor(1, thread_name_prefix="fleetfit-warm-start")
+            )
+        return _spawner_pool[0]
+
+
 def _project_root(env: dict[str, str]) -> str | None:
     # where a fresh child would import fleetfit's own ``memory`` package from
     for p in [os.getcwd(), *env.get("PYTHONPATH", "").split(os.pathsep)]:
@@ -360,7 +374,9 @@ def _acquire(key: tuple[object, ...], env: dict[str, str]) -> _Server | None:
         placeholder = _Placeholder()
         group.append(placeholder)  # type: ignore[arg-type]
     try:
-        server: _Server | None = _Server(env)
+        # Started from one long-lived thread: PR_SET_PDEATHSIG fires when the
+        # thread that started a process ends, and callers' threads come and go.
+        server: _Server | None = _spawner().submit(_Server, env).result()
     except (OSError, RuntimeError, EOFError):
         server = None
     with _servers_lock:

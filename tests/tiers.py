@@ -77,15 +77,32 @@ def _selected_tier(config: pytest.Config) -> str:
     return "all" if named else "default"
 
 
+def group_of(item: pytest.Item) -> str | None:
+    """The xdist group a test runs in (one worker, one test at a time): SuperLink
+    deployments, Ray, and every other test that starts a process (they measure
+    memory or time); None for the default tier, which runs anywhere."""
+    names = {m.name for m in item.iter_markers()}
+    if "deployment" in names:
+        return "deployment"
+    if "simulation" in names:
+        return "ray"
+    return None if tier_of(item) == "default" else "measure"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     tier = _selected_tier(config)
+    xdist = config.pluginmanager.hasplugin("xdist")
     keep, drop = [], []
     for item in items:
         t = tier_of(item)
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[t]))
+        group = group_of(item)
+        if xdist and group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
         (keep if tier in ("all", t) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
