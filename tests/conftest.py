@@ -6,7 +6,9 @@ import os
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ.setdefault("FLEETFIT_WARM_CHILDREN", "1")  # memory.warmstart: forked children
+os.environ.setdefault(
+    "FLEETFIT_WARM_CHILDREN", "1"
+)  # memory.warmstart: forked children
 if "FLEETFIT_CACHE_DIR" not in os.environ:  # the machine cache of this test session
     import tempfile
 
@@ -17,7 +19,10 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-pytest_plugins = ["tests.tiers", "pytester"]  # tiers by what a test starts, and the reaper
+pytest_plugins = [
+    "tests.tiers",
+    "pytester",
+]  # tiers by what a test starts, and the reaper
 
 
 @pytest.fixture

@@ -73,6 +73,7 @@ def test_format_rounds_table():
     )
 
 
+@pytest.mark.child
 def test_console_script_help():
     out = subprocess.run(
         [sys.executable, "-m", "fleetfit.cli", "--help"],

@@ -214,6 +214,7 @@ def runs(jobs):
 COMMANDS = ("profile", "smallest", "plan", "run", "plain")
 
 
+@pytest.mark.child
 @pytest.mark.parametrize("name", list(EXPECTED_UNITS))
 def test_every_command_succeeds_without_a_traceback(runs, name):
     for cmd in COMMANDS:
@@ -368,6 +369,7 @@ def test_tensor_workloads_keep_their_paths(jobs):
     assert not uses_units(get_workload("gpt-tiny"))
 
 
+@pytest.mark.child
 @pytest.mark.parametrize("name", list(EXPECTED_UNITS))
 def test_run_reads_its_weights_from_a_file(runs, jobs, capsys, name):
     """``--init-state``: the model is built without its weights and read from the

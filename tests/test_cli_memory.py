@@ -31,6 +31,7 @@ def plan_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.child
 def test_plan_json_reports_the_smallest_budget(capsys):
     d = plan_json(capsys)
     assert d["min_budget_bytes"] > 0
@@ -43,7 +44,7 @@ def test_plan_json_reports_the_smallest_budget(capsys):
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.child
 def test_run_under_a_budget_equals_plain_and_fits(tmp_path, capsys):
     """Both runs as ``fleetfit`` subprocesses (the command's JSON on stdout), the
     smallest budget planned in this process."""

@@ -23,6 +23,9 @@ NO_GPU = "#!/bin/sh\necho 'NVIDIA-SMI has failed: no NVIDIA driver' >&2\nexit 9\
 TORCH = "torch==2.13.0"
 
 
+pytestmark = pytest.mark.child
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass

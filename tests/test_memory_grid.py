@@ -17,7 +17,7 @@ from memory.spec import MemoryPlan
 from partition.run import measured_run, profile_workload
 from workloads import get_workload
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def budgets(low: int, high: int, n: int = 4) -> list[int]:

@@ -117,6 +117,7 @@ def test_unknown_workload_in_instruction_is_an_error_reply():
     assert reply.has_error() and "unknown workload 'nope'" in reply.error.reason
 
 
+@pytest.mark.child
 def test_part_training_in_a_measured_child_sends_only_the_window():
     msg, model = train_msg()  # digits-mlp: blocks 0, 1 and the head 2
     cfg = msg.content.config_records["config"]

@@ -33,6 +33,9 @@ from workloads import get_workload
 WORKLOAD, BATCH = "gpt-byte@0.25", 32
 
 
+pytestmark = pytest.mark.child
+
+
 def fedavg_message(model):
     """A train message as Flower's FedAvg sends it (``arrayrecord_key="arrays"``,
     ``configrecord_key="config"``, ``server-round`` injected)."""

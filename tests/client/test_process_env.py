@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CODE = (
     "import client.app, os, sys; "
     "print(os.environ.get('MKL_DISABLE_FAST_MM'), 'torch' in sys.modules)"
@@ -27,6 +29,7 @@ def _run(env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.child
 def test_the_client_app_sets_the_mkl_setting_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
     assert _run(env) == "1 True"  # set, and torch loaded after it (by client.app)

@@ -140,6 +140,7 @@ def test_assigned_part_window_is_pulled_towards_the_global_model():
     assert dist(50.0) < dist(0.0)
 
 
+@pytest.mark.child
 def test_measured_child_applies_the_term_as_inline_does():
     wl, batches = _setup("digits-cnn", steps=2)
     state = wl.make_model(0).state_dict()
@@ -220,7 +221,7 @@ def test_the_assigner_plans_with_the_anchor():
     assert anchored_got.plan.predicted_peak_bytes <= need
 
 
-@pytest.mark.slow
+@pytest.mark.child
 def test_the_anchor_costs_what_the_model_says(tmp_path):
     """Measured in a child: FedProx's w0 raises the peak by about the parameters'
     bytes, the amount ``anchored`` adds (gpt-byte: 77 MB)."""

@@ -99,6 +99,7 @@ def test_part_trains_its_window_and_head_only():
             assert not torch.equal(v, state[k]), f"{k} did not train"
 
 
+@pytest.mark.child
 def test_the_child_reply_keeps_tied_keys_and_equals_inline():
     inline = _train(None, (0, 2))
     child = _train(None, (0, 2), measure="child")

@@ -24,7 +24,7 @@ from server.persist import load_model
 from tests import base_install
 from tests.deployment.test_loopback import ROOT, Processes, free_port
 
-pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+pytestmark = pytest.mark.deployment
 FLEETFIT = [sys.executable, "-m", "fleetfit.cli"]
 
 

@@ -24,7 +24,7 @@ from memory.sizes import parse_bytes
 from server.persist import load_model
 from workloads import get_workload
 
-pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+pytestmark = pytest.mark.deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

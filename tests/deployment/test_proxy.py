@@ -107,8 +107,8 @@ def status(url: str, ca: Path, method: str = "POST") -> int:
         return int(e.code)
 
 
+@pytest.mark.heavy
 @pytest.mark.deployment
-@pytest.mark.slow
 def test_public_proxy_lets_devices_in_and_keeps_outsiders_out(tmp_path):
     nginx_or_skip()
     tls = make_tls(tmp_path, ips=("127.0.0.1", PUBLIC))

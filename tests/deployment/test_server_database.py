@@ -55,6 +55,7 @@ def test_bad_databases_are_refused_naming_the_path(tmp_path, make, why):
         assert bad.read_bytes() == before  # left as it was
 
 
+@pytest.mark.child
 def test_the_cli_reports_a_bad_database_before_starting(tmp_path, capsys, monkeypatch):
     from fleetfit import cmd_federation
     from fleetfit.cli import main
@@ -71,8 +72,8 @@ def test_the_cli_reports_a_bad_database_before_starting(tmp_path, capsys, monkey
     assert "is not a SQLite database" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 @pytest.mark.deployment
-@pytest.mark.slow
 def test_a_restarted_server_on_its_database_finds_the_running_supernodes(tmp_path):
     """Server run 1 (1 round) ends and its SuperLink stops; the two SuperNodes keep
     running, never restarted; server run 2 on the same database with --resume finds

@@ -103,6 +103,7 @@ def test_public_address_is_checked(tmp_path, capsys, no_start, public, needle):
     assert needle in line, line
 
 
+@pytest.mark.child
 def test_unknown_workload_is_one_line_and_no_superlink_starts(tmp_path):
     """The real command, in its own process: one line on stderr, exit 2, nothing
     listening on the SuperLink's port, no run folder."""

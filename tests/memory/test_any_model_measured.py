@@ -37,7 +37,7 @@ from memory.spec import MemoryPlan  # noqa: E402
 from memory.unit_profile import plan_units, unit_profiles  # noqa: E402
 from tests.hf.models import NAMES, build  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 STEPS = 3
 RUNTIME_FIXED_BYTES = 79 * 2**20  # docs/memory.md: the runtime's fixed cost here

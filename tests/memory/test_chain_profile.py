@@ -79,6 +79,7 @@ def test_tied_weights_count_once_and_logits_belong_to_the_head():
     assert again == prof
 
 
+@pytest.mark.child
 def test_gpt2_medium_profiles_without_its_weights():
     m = measure_in_child("memhelpers:profile_big_fake", {"name": "gpt2-medium"})
     assert m.result["param_bytes"] > 1.4e9

@@ -61,6 +61,7 @@ def test_a_broken_cache_is_ignored(tmp_path, monkeypatch):
     assert machine.cached("z", lambda: 2.0) == 2.0
 
 
+@pytest.mark.child
 def test_the_rate_is_the_same_under_load(tmp_path):
     """A fresh process reuses what the first measured, while two busy processes
     compete for the cores: the figures a plan is made from do not drift."""
@@ -79,7 +80,7 @@ def test_the_rate_is_the_same_under_load(tmp_path):
     assert again == first
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_same_command_gives_the_same_plan_under_load(tmp_path):
     """A transformers model planned per unit: unit times come from FLOPs at the
     cached rate, so the plan is the same with the machine loaded. (Built-in chain

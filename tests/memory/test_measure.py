@@ -41,6 +41,7 @@ def small():
     )
 
 
+@pytest.mark.child
 def test_child_measures_an_allocation_above_its_baseline(big):
     m = big
     # torch alone is ~250 MB resident: the baseline must include it
@@ -53,10 +54,12 @@ def test_child_measures_an_allocation_above_its_baseline(big):
     assert m.cuda_peak_bytes is None
 
 
+@pytest.mark.child
 def test_peak_scales_with_the_allocation(big, small):
     assert big.peak_bytes - small.peak_bytes == pytest.approx(180 * MB, rel=0.03)
 
 
+@pytest.mark.child
 def test_child_errors_come_back_with_their_traceback():
     with pytest.raises(MeasurementError) as e:
         measure_in_child("memhelpers:fail", {"message": "boom 17"})
@@ -64,6 +67,7 @@ def test_child_errors_come_back_with_their_traceback():
     assert "memhelpers.py" in str(e.value)
 
 
+@pytest.mark.child
 def test_missing_target_and_bad_kwargs():
     with pytest.raises(MeasurementError, match="no_such_module"):
         measure_in_child("no_such_module:f", {})
@@ -112,11 +116,13 @@ def test_a_target_the_child_cannot_import_is_refused_in_one_line(target, needle)
     assert "module level" in str(e.value)
 
 
+@pytest.mark.child
 def test_timeout_kills_the_child():
     with pytest.raises(MeasurementError, match="timeout"):
         measure_in_child("memhelpers:sleep", {"seconds": 30}, timeout_s=3)
 
 
+@pytest.mark.child
 def test_env_reaches_the_child_and_the_allocator_settings_are_fixed():
     keys = ["MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM", "T_X"]
     # the allocators' settings unless the caller's env sets them; the caller's env
@@ -142,6 +148,7 @@ def test_env_reaches_the_child_and_the_allocator_settings_are_fixed():
         measure_in_child("os:getenv", {"key": "HOME"})
 
 
+@pytest.mark.child
 def test_reset_peak_isolates_one_step():
     m = measure_in_child(
         "memhelpers:step_peak", {"first_bytes": 300 * MB, "second_bytes": 50 * MB}

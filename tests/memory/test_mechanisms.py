@@ -249,12 +249,14 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.child
 def test_really_full_directory(tiny_tmpfs):
     with pytest.raises(OffloadDirError, match="free but the plan needs"):
         check_directory(tiny_tmpfs, 10 * 2**20, what="activations")
     assert check_directory(tiny_tmpfs, 1024, what="activations") == tiny_tmpfs
 
 
+@pytest.mark.child
 def test_unwritable_directory(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()

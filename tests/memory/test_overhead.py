@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 FACTORY = "tests.hf.models:build_batch"
 
 
+@pytest.mark.child
 def test_workload_runtime_is_measured_once_and_kept(tmp_path, monkeypatch):
     """The probe child trains the workload plainly and under a plan that uses every
     mechanism; it reports the library code that paged in (at least the matmul and

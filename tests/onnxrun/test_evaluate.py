@@ -16,6 +16,7 @@ from server.export import export_onnx
 from workloads import get_workload
 
 
+@pytest.mark.child
 def test_importing_onnxrun_does_not_import_torch():
     code = (
         "import sys, onnxrun, onnxrun.evaluate, onnxrun.measure; "
@@ -54,6 +55,7 @@ def test_ort_metrics_equal_torch_evaluate(mlp_onnx):
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
 
 
+@pytest.mark.child
 def test_child_evaluates_without_torch_and_reports_its_peak(mlp_onnx):
     wl, model, path = mlp_onnx
     x, y = wl.eval_arrays()
@@ -66,6 +68,7 @@ def test_child_evaluates_without_torch_and_reports_its_peak(mlp_onnx):
     assert m.hwm_bytes == m.baseline_bytes + m.peak_bytes
 
 
+@pytest.mark.child
 def test_child_failure_is_reported(tmp_path):
     bad = tmp_path / "model.onnx"
     bad.write_bytes(b"not a model")

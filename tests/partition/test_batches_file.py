@@ -131,6 +131,7 @@ def test_files_of_one_tensor_per_key_still_load(tmp_path):
     _assert_same(load_batches(path), batches)
 
 
+@pytest.mark.child
 @pytest.mark.parametrize(
     ("fn", "planned", "steps"), [("build", False, 3), ("sliced", True, 2)]
 )
@@ -148,6 +149,7 @@ def test_memory_run_trains_the_example_batch_for_several_steps(job, fn, planned,
     assert result["losses"] == pytest.approx(_plain_losses(spec, steps), rel=1e-5)
 
 
+@pytest.mark.child
 def test_client_trains_the_example_batch_in_a_child(job):
     wl = get_workload(f"{job}:sliced")
     batches, n, torch_seed = draw_batches(

@@ -229,6 +229,7 @@ def _compare(res, got, ref):
     return worst
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
 def test_gpt2_three_processes_match_one(tmp_path):
     """1F1B over 3 ranks, 4 micro-batches; the tied embedding on rank 0 and head on
@@ -247,6 +248,7 @@ def test_gpt2_three_processes_match_one(tmp_path):
     assert torch.equal(got["transformer.wte.weight"], got["lm_head.weight"])
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
 def test_gpt2_one_microbatch_is_bit_for_bit(tmp_path):
     """GPipe over 3 ranks, one micro-batch: every loss and gradient, the tied
@@ -260,6 +262,7 @@ def test_gpt2_one_microbatch_is_bit_for_bit(tmp_path):
         assert torch.equal(got[n], g), n
 
 
+@pytest.mark.child
 @pytest.mark.distributed
 def test_llama_two_processes_match_one(tmp_path):
     """GPipe over 2 ranks, 2 micro-batches; stage 0 offloads its layer's activations
@@ -278,6 +281,7 @@ def test_llama_two_processes_match_one(tmp_path):
     _compare(res, got, _reference(LLAMA, steps=2))
 
 
+@pytest.mark.child
 def test_cli_plans_a_transformers_model_over_its_units(tmp_path, capsys):
     """``fleetfit partition plan --workload module:function`` on GPT-2: profiled per
     unit, every unit in exactly one stage, in order."""

@@ -272,6 +272,7 @@ def test_full_offload_dir_fails_before_training(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.child
 def test_unwritable_offload_dir_fails_before_training(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -353,7 +354,7 @@ def train_steps(workload: str, specs: str, steps: int, offload_dir: str) -> dict
     return {"losses": losses}
 
 
-@pytest.mark.slow
+@pytest.mark.child
 def test_streamed_recompute_plan_measures_lower_peak_than_plain(tmp_path):
     from memory.measure import measure_in_child
 

@@ -168,10 +168,9 @@ def _run(tmp_path, plan, workload, steps=2, trace=False, device="cpu"):
     return res
 
 
+@pytest.mark.child
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "schedule", [pytest.param("GPipe", marks=pytest.mark.slow), "1F1B"]
-)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_two_processes_match_one(tmp_path, schedule):
     plan = _plan("gpt-tiny", 2, schedule, m=2, recompute=schedule == "1F1B")
     res = _run(tmp_path, plan, "gpt-tiny", trace=True)
@@ -215,8 +214,8 @@ def test_cuda_without_a_gpu_is_refused_before_starting(tmp_path):
     assert not (tmp_path / "torchrun.log").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,stages,v,d,m",
     [
@@ -230,8 +229,8 @@ def test_four_processes_match_one(tmp_path, schedule, stages, v, d, m):
     _run(tmp_path, _plan(MLP, stages, schedule, m=m, v=v, d=d), MLP)
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_namespace_fleet_runs_a_pipeline_and_cleans_up(tmp_path):
     import subprocess
 
@@ -265,6 +264,7 @@ def test_namespace_fleet_runs_a_pipeline_and_cleans_up(tmp_path):
     assert netns.PREFIX not in left
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
 def test_namespace_fleet_probes_every_host_and_can_be_rebuilt_at_once():
     """Probes run in each host's namespace and cgroup; a fleet made right after the

@@ -32,7 +32,7 @@ from tests.deployment.test_loopback import Processes, free_port
 from tests.reliability.faulty import OVERSIZE_BYTES, SPEC
 from workloads import get_workload
 
-pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+pytestmark = pytest.mark.deployment
 
 ROUNDS = 2  # the second round shows that a late reply never counts in a later one
 # The healthy node must reply within the deadline also on a loaded machine: each

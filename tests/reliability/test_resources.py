@@ -112,6 +112,7 @@ def _ask(node_config: dict, message: Message) -> Message:
 
 
 # ------------------------------------------------------------------- full directory
+@pytest.mark.child
 def test_full_offload_dir_measured_budget_is_zero_and_reported(full_dir, caplog):
     free = free_disk_bytes(str(full_dir))
     assert free < node_cfg.NEARLY_FULL_BYTES
@@ -124,6 +125,7 @@ def test_full_offload_dir_measured_budget_is_zero_and_reported(full_dir, caplog)
     assert note in caplog.text
 
 
+@pytest.mark.child
 def test_disk_budget_above_the_free_space_names_the_measured_figure(full_dir):
     free = free_disk_bytes(str(full_dir))
     node = NodeConfig.from_node_config(
@@ -135,6 +137,7 @@ def test_disk_budget_above_the_free_space_names_the_measured_figure(full_dir):
     assert str(full_dir) in note and "10000000 bytes" in note
 
 
+@pytest.mark.child
 def test_full_offload_dir_fails_the_round_before_training(full_dir):
     reply = _ask(
         {**BASE, "offload-dir": str(full_dir), "disk-budget": "10MB"},
@@ -160,6 +163,7 @@ def test_root_writes_through_mode_bits(tmp_path):
     assert node_cfg.offload_dir_problem(str(d)) is None
 
 
+@pytest.mark.child
 def test_unwritable_offload_dir_with_a_disk_budget_is_an_error(read_only_dir):
     with pytest.raises(ValueError) as e:
         NodeConfig.from_node_config(
@@ -170,6 +174,7 @@ def test_unwritable_offload_dir_with_a_disk_budget_is_an_error(read_only_dir):
     assert "disk-budget" in msg and "offload-dir" in msg and "disk-budget=0" in msg
 
 
+@pytest.mark.child
 def test_unwritable_offload_dir_measured_budget_is_zero(read_only_dir):
     node = NodeConfig.from_node_config({**BASE, "offload-dir": str(read_only_dir)})
     assert node.disk_budget_bytes == 0
@@ -182,6 +187,7 @@ def test_unwritable_offload_dir_measured_budget_is_zero(read_only_dir):
     assert node.disk_budget_bytes == 0 and node.warnings == ()
 
 
+@pytest.mark.child
 def test_unwritable_offload_dir_is_reported_at_the_query_and_the_train(
     read_only_dir,
 ):
@@ -255,6 +261,7 @@ def test_fleet_disk_budget_above_the_free_space_is_reported(tmp_path):
     assert node_cfg.FLEET_DISK in note and str(tmp_path) in note and "free" in note
 
 
+@pytest.mark.child
 def test_a_disk_that_fills_during_a_step_is_an_offload_dir_error(full_dir):
     """Checks before training trust the plan's disk figure; if the disk fills all the
     same, the write fails with the directory and the fix, not a bare OSError."""

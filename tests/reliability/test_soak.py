@@ -21,8 +21,6 @@ from server.persist import load_model, load_state
 from tests.server.grid import FakeGrid
 from tests.server.test_federation import config, federate, nodes
 
-pytestmark = pytest.mark.slow
-
 SEED = 11
 DEVICES = 6
 ROUNDS = 20

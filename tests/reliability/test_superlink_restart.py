@@ -31,7 +31,7 @@ from server.persist import load_model, load_state
 from tests.deployment.test_commands import FLEETFIT, env, rounds_done, wait_for
 from tests.deployment.test_loopback import BIN, ROOT, Processes, free_port, wait_healthy
 
-pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+pytestmark = pytest.mark.deployment
 
 ROUNDS = 3
 

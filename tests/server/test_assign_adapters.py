@@ -96,6 +96,7 @@ def test_budget_decides_where_adapters_sit_rank_matters_little():
     assert got.predicted_peak_bytes <= (last + all_layers) // 2
 
 
+@pytest.mark.child
 @pytest.mark.parametrize("base_dtype", ["float32", "int8"])
 def test_measured_adapter_peak_is_inside_its_budget(base_dtype):
     a = _assigner("gpt-tiny", base_dtype=base_dtype, reserve=parse_bytes("100MiB"))

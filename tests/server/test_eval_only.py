@@ -18,6 +18,7 @@ from wire.shape import RunShape
 from workloads import get_workload
 
 
+@pytest.mark.child
 def test_eval_only_nodes_are_counted_with_their_peak(tmp_path):
     n = 3
     nodes = {

@@ -56,7 +56,7 @@ def test_builtin_workload_exports_and_agrees(name, tmp_path):
     assert model.training  # export leaves the model's mode as it was
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["gpt-byte", "gpt2-small", "gpt2-medium"])
 def test_large_workload_exports_and_agrees(name, tmp_path):
     # 32 held-out windows: the torch, ORT and int8 evaluations were a third of the time

@@ -7,6 +7,7 @@ import json
 from dataclasses import fields
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -61,6 +62,7 @@ def digits_mins():
     return a._min_budget(3, 3, 0), a._min_budget(0, 3, 0)
 
 
+@pytest.mark.child
 def test_mixed_budgets_every_node_contributes(tmp_path):
     head_min, whole_min = digits_mins()
     budgets = [10 * whole_min, (head_min + whole_min) // 2, head_min + 1, head_min // 2]

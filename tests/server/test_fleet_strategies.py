@@ -26,6 +26,7 @@ def plain_need():
     return a.plain_need_bytes()
 
 
+@pytest.mark.child
 def test_exclude_trains_plainly_or_not_at_all(tmp_path):
     head_min, whole_min = digits_mins()
     need = plain_need()
@@ -83,6 +84,7 @@ def test_natural_split_by_class_reaches_the_clients(tmp_path):
     assert want != plain
 
 
+@pytest.mark.child
 def test_nodes_given_a_budget_are_measured_in_a_child(tmp_path):
     cfg = config(
         tmp_path,

@@ -228,6 +228,7 @@ def test_custom_workloads_have_no_sub_models():
 
 
 # ---------------------------------------------------------------- a federation
+@pytest.mark.child
 @pytest.mark.parametrize("strategy", ["heterofl", "fedrolex"])
 def test_federation_trains_sub_models_and_keeps_uncovered_entries(tmp_path, strategy):
     """Two digits-mlp nodes at half width and one too small for any level, through

@@ -10,7 +10,7 @@ import pytest
 from simulations.compare import compare
 from simulations.fleet import load_fleet, parse_fleet
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 
 def digits_fleet():

@@ -64,6 +64,7 @@ def in_process(settings):
     return federate(settings.server_config(), FakeGrid(nodes(settings.num_clients)))
 
 
+@pytest.mark.child
 def test_compare_reports_the_baselines_and_adapter_variants_like_the_others(
     tmp_path, monkeypatch
 ):
@@ -85,8 +86,8 @@ def test_compare_reports_the_baselines_and_adapter_variants_like_the_others(
     assert "part" not in got, got  # a plan, else an adapter, never a window first
 
 
+@pytest.mark.heavy
 @pytest.mark.simulation
-@pytest.mark.slow
 def test_compare_runs_heterofl_and_fedrolex_on_the_engine(tmp_path):
     check_comparison(tmp_path / "out")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 
 def test_simulation_counts_eval_only_devices(tmp_path):

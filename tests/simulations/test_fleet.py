@@ -366,6 +366,7 @@ def test_fleetfit_variants_differ_only_in_the_adapters_key(
         assert got.adapters.spec() == plain.adapters.spec()
 
 
+@pytest.mark.child
 def test_cli_rejects_a_bad_fleet_before_ray_starts(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(

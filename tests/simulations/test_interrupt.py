@@ -13,7 +13,7 @@ import pytest
 
 from fleetfit.cli import _descendants
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 
 def ray_pids() -> set[int]:

@@ -16,7 +16,7 @@ from simulations.run import SimulationSettings, simulate
 from wire.shape import RunShape
 from workloads import get_workload
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 MiB = 2**20
 

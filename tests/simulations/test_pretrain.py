@@ -175,6 +175,7 @@ def test_lr_from_pretrain_needs_candidates(tmp_path):
         )
 
 
+@pytest.mark.heavy
 @pytest.mark.simulation
 def test_compare_trains_each_model_at_its_pretraining_lr(tmp_path):
     from simulations.compare import compare

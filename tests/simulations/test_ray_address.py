@@ -27,6 +27,7 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.child
 def test_bad_ray_address_fails_in_seconds_with_one_line(tmp_path):
     address = f"127.0.0.1:{closed_port()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), FLWR_TELEMETRY_ENABLED="0")

@@ -9,7 +9,7 @@ from server.persist import load_model
 from simulations.run import SimulationSettings, simulate
 from wire.shape import RunShape
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 
 def test_two_simulations_same_seed_same_model(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from fleetfit.cli import _descendants
 from tests import base_install
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--workload", "digits-mlp", "--clients", "2", "--no-progress"]

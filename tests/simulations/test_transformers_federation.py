@@ -15,7 +15,7 @@ from server.config import FleetConfig  # noqa: E402
 from simulations.run import SimulationSettings, simulate  # noqa: E402
 from wire.shape import RunShape  # noqa: E402
 
-pytestmark = [pytest.mark.simulation, pytest.mark.slow]
+pytestmark = pytest.mark.simulation
 
 SPEC = "examples.transformers_gpt2:build"
 

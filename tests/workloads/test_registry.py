@@ -42,6 +42,7 @@ def test_module_function_workload_from_current_directory(user_module):
     assert torch.isfinite(wl.loss_fn(a(x), y))
 
 
+@pytest.mark.child
 def test_module_function_loads_in_a_child_process(user_module):
     code = "from workloads import get_workload; print(get_workload('myjob:build').kind)"
     out = subprocess.run(
