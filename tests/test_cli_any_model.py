@@ -223,6 +223,7 @@ def test_every_command_succeeds_without_a_traceback(runs, name):
         assert "Traceback" not in out + err, (cmd, err)
 
 
+@pytest.mark.child
 @pytest.mark.parametrize("name", list(EXPECTED_UNITS))
 def test_the_units_are_listed(runs, name):
     want = EXPECTED_UNITS[name]
@@ -237,6 +238,7 @@ def test_the_units_are_listed(runs, name):
     assert [b["name"] for b in plan["plan"]["blocks"]] == want
 
 
+@pytest.mark.child
 @pytest.mark.parametrize("name", list(EXPECTED_UNITS))
 def test_run_fits_its_budget_and_equals_plain(runs, name):
     planned = last_json(runs[name]["run"][1])
@@ -273,6 +275,7 @@ def test_run_fits_its_budget_and_equals_plain(runs, name):
         assert abs(a - b) <= 1e-4 * abs(b)
 
 
+@pytest.mark.child
 def test_save_writes_tied_weights_once(runs, jobs):
     import ffany_jobs  # type: ignore[import-not-found]
     from safetensors import safe_open

@@ -110,6 +110,7 @@ def test_bad_budgets_fail_clearly(budget, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.child
 def test_budget_below_the_smallest_plan_names_it(capsys):
     code = main(["memory", "plan", "--workload", "gpt-tiny", "--memory-budget", "1kB"])
     err = capsys.readouterr().err

@@ -50,6 +50,10 @@ GRACE_S = {"default": 3.0, "child": 5.0, "heavy": 15.0}
 """Seconds a test's leftover processes get to end on their own before the reaper."""
 TIMEOUT_S = {"default": 300, "child": 600, "heavy": 900}
 """Each tier's per-test timeout (``pytest.mark.timeout`` overrides it)."""
+PREPARE: list[Any] = []
+"""Callables run once before the first default-tier test of a session, counted for no
+test: what a session measures once and keeps (a process), which whichever test came
+first would otherwise start (conftest.py: the machine's runtime figure)."""
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -255,6 +259,8 @@ def _describe(p: psutil.Process) -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     _wrap_run_warm()
+    while PREPARE and tier_of(item) == "default":
+        PREPARE.pop(0)()  # outside any test: no test of the tier starts it
     _current.update(item=item, started=[], problems=[], before=set(_children()))
     return (yield)
 

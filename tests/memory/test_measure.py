@@ -77,6 +77,7 @@ def test_missing_target_and_bad_kwargs():
         measure_in_child("memhelpers:allocate", {"num_bytes": object()})
 
 
+@pytest.mark.child
 def test_a_function_object_runs_as_the_target(big, small):
     """``big``'s child ran a function object; ``small``'s a static method (imported
     by its qualified name) and a warm-up given as function objects."""

@@ -58,6 +58,7 @@ def test_bad_ray_address_fails_in_seconds_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing started
 
 
+@pytest.mark.child
 def test_ray_address_from_the_environment_is_probed_too(monkeypatch):
     address = f"127.0.0.1:{closed_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
