@@ -250,6 +250,7 @@ try:
     func = load(target)
     kwargs = json.loads(kwargs_json)
     baseline = status("VmRSS")
+    baseline_modules = list(sys.modules)  # what a warm server may import for the next
     file_baseline = status("RssFile")
     t0 = time.perf_counter()
     result = func(**kwargs)

@@ -19,9 +19,11 @@ baseline, so its resident set starts where a fresh child's does; then it resets 
 peak (``VmHWM``). A warm child reports the peak of a fresh one within 2 MiB
 (tests/memory/test_warmstart.py, on three reference plans).
 
-Library modules a child imports (transformers' model code, peft; ``WARM_LIBRARIES``)
-are imported by the server after that child ends, so the next child finds them
-loaded, as it finds torch: library code counts in the baseline either way.
+Library modules a child imported before its baseline (its ``preload`` and warm-up:
+transformers' model code, peft; ``WARM_LIBRARIES``) are imported by the server after
+that child ends, so the next child finds them loaded, as it finds torch: such code
+counts in the baseline either way. What the target imports itself counts in its peak,
+in a fresh child and here alike.
 
 Warm starts are on when ``FLEETFIT_WARM_CHILDREN=1`` (the test suite sets it; a
 command that measures many children in a row may). A server is kept per
@@ -129,14 +131,20 @@ def child(req):
     path = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [""] + list(dict.fromkeys(path)) + [p for p in base_path if p not in path]
     importlib.invalidate_caches()
+    if threads > 1:  # OpenMP's worker threads, started by torch's import in a fresh
+        torch.set_num_threads(torch.get_num_threads())  # child; a fork has none
     for lo, hi in pages:  # map the pages a fresh child has mapped after its imports
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 22)  # POPULATE_READ
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak starts here, as a fresh child's starts at its birth
     sys.argv = req["argv"]
-    exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+    space = {"__name__": "__main__"}
+    exec(compile(req["code"], "<string>", "exec"), space)
+    # only what the child imported before its baseline: a module imported by the
+    # target itself is the target's growth, in a fresh child as here
+    before = space.get("baseline_modules") or []
     with open(req["mods"], "w") as f:
-        json.dump(sorted(m for m in sys.modules if m.split(".")[0] in libraries), f)
+        json.dump(sorted(m for m in before if m.split(".")[0] in libraries), f)
 
 def learn(path):
     # import what the child imported from WARM_LIBRARIES: the next child finds it
@@ -155,6 +163,7 @@ def learn(path):
         pages = file_pages()
 
 pages = file_pages()
+threads = len(os.listdir("/proc/self/task"))
 reply.write(json.dumps({"ready": os.getpid()}) + "\n")
 reply.flush()
 for line in sys.stdin:

@@ -9,10 +9,9 @@ import textwrap
 import psutil
 import pytest
 
-pytestmark = pytest.mark.child
 
 SUITE = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 import pytest
 
 def test_quiet():
@@ -35,6 +34,12 @@ def test_two_at_once():
 @pytest.mark.child
 def test_a_heavy_command():
     subprocess.run(["sh", "-c", "exit 0", "flower-superlink"], check=True)
+
+@pytest.mark.child
+def test_a_heavy_descendant():
+    # the test's command line names nothing heavy; the process it becomes does
+    env = dict(os.environ, N="flower-superlink")
+    subprocess.run(["bash", "-c", 'exec -a "$N" sleep 2'], env=env, check=True)
 
 @pytest.mark.child
 def test_leaves_a_process():
@@ -74,19 +79,21 @@ def suite(
     return pytester
 
 
+@pytest.mark.heavy  # its inner suite runs what it must refuse in tier child
 def test_tiers_are_selected_enforced_and_reaped(suite: pytest.Pytester) -> None:
     # a bare run: the default tier only
     r = suite.runpytest_subprocess()
-    r.assert_outcomes(passed=2, errors=1, deselected=5)  # a teardown error: passed + 1
+    r.assert_outcomes(passed=2, errors=1, deselected=6)  # a teardown error: passed + 1
     r.stdout.fnmatch_lines(["*default-tier test started a process (true)*mark it*"])
     # one tier
     r = suite.runpytest_subprocess("--tier", "child", "-k", "not leaves")
-    r.assert_outcomes(passed=3, errors=2, deselected=4)
+    r.assert_outcomes(passed=4, errors=3, deselected=4)
     r.stdout.fnmatch_lines(["*while another of its own still ran*@pytest.mark.heavy*"])
     r.stdout.fnmatch_lines(["*started a heavy tier's process*flower-superlink*"])
+    r.stdout.fnmatch_lines(["*ran a heavy tier's process (flower-superlink 2)*"])
     # naming the file runs every tier; the reaper kills what a test left
     r = suite.runpytest_subprocess("test_suite.py", "-k", "leaves or simulation")
-    r.assert_outcomes(passed=2, errors=1, deselected=5)
+    r.assert_outcomes(passed=2, errors=1, deselected=6)
     r.stdout.fnmatch_lines(
         ["*left 1 process(es) running after its teardown, killed*sleep 300*"]
     )
@@ -94,6 +101,7 @@ def test_tiers_are_selected_enforced_and_reaped(suite: pytest.Pytester) -> None:
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
+@pytest.mark.child
 def test_an_unknown_marker_is_an_error(suite: pytest.Pytester) -> None:
     suite.makepyfile(
         test_typo="import pytest\n@pytest.mark.chlid\ndef test_x():\n    pass\n"

@@ -13,9 +13,10 @@ Tiers (README, "Tests"):
 default tier and a command line that names files or tests runs all of theirs.
 
 Enforced while a test runs: a default-tier test that starts a process, or a child-tier
-test that starts one while another it started is still running, or one whose command
-line is a heavy tier's (a SuperLink, a SuperNode, ``flwr``, Ray, nginx, a fleetfit
-federation command), fails with the marker it needs. Warm measuring servers
+test that starts one while another it started is still running, or one that runs a
+heavy tier's process (a SuperLink, a SuperNode, ``flwr``, Ray, nginx, 3+ ranks; its
+own child or one a CLI subprocess started, sampled every 0.5 s), fails with the marker
+it needs. Warm measuring servers
 (``memory.warmstart``) live across tests and count for no test.
 
 The reaper: a test that leaves a process of its own running (a child, or a child's
@@ -31,6 +32,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -42,8 +44,7 @@ TIERS = ("default", "child", "heavy")
 _HEAVY_MARKERS = {"heavy", "simulation", "deployment"}
 _HEAVY_COMMANDS = re.compile(
     r"flower-superlink|flower-supernode|flower-superexec|flwr-serverapp|flwr-clientapp"
-    r"|/flwr\b|\bflwr (run|ls|log|stop)|\bray\b|raylet|gcs_server|nginx"
-    r"|fleetfit(\.cli)?\W+(server|client|simulate|compare)\b"
+    r"|/flwr\b|\bflwr (run|ls|log|stop)|/ray/|\bray::|raylet|gcs_server|nginx"
     r"|--nproc[-_]per[-_]node[= ]([3-9]|\d\d)"
 )
 GRACE_S = {"default": 3.0, "child": 5.0, "heavy": 15.0}
@@ -256,12 +257,37 @@ def _describe(p: psutil.Process) -> str:
         return str(p.pid)
 
 
+class _Watch(threading.Thread):
+    """Samples a child-tier test's descendants: a SuperLink or Ray started by a CLI
+    subprocess is a heavy tier's, though the test started only the CLI."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="tiers-watch")
+        self.stop = threading.Event()
+        self.seen: str | None = None
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5) and self.seen is None:
+            for p in _children().values():
+                try:
+                    line = " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                if _HEAVY_COMMANDS.search(line):
+                    self.seen = line[:120]
+                    break
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     _wrap_run_warm()
     while PREPARE and tier_of(item) == "default":
         PREPARE.pop(0)()  # outside any test: no test of the tier starts it
     _current.update(item=item, started=[], problems=[], before=set(_children()))
+    _current["watch"] = None
+    if tier_of(item) == "child":
+        _current["watch"] = _Watch()
+        _current["watch"].start()
     return (yield)
 
 
@@ -272,6 +298,15 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     finally:
         _current["item"] = None
         problems = list(_current["problems"])
+        watch = _current.get("watch")
+        if watch is not None:
+            watch.stop.set()
+            watch.join()
+            if watch.seen:
+                problems.append(
+                    f"a child-tier test ran a heavy tier's process ({watch.seen}): "
+                    "mark it @pytest.mark.heavy"
+                )
         left = _leftovers(item)
         if left:
             problems.append(

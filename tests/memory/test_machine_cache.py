@@ -61,7 +61,7 @@ def test_a_broken_cache_is_ignored(tmp_path, monkeypatch):
     assert machine.cached("z", lambda: 2.0) == 2.0
 
 
-@pytest.mark.child
+@pytest.mark.heavy
 def test_the_rate_is_the_same_under_load(tmp_path):
     """A fresh process reuses what the first measured, while two busy processes
     compete for the cores: the figures a plan is made from do not drift."""

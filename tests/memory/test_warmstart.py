@@ -80,6 +80,7 @@ def test_a_warm_child_measures_what_a_fresh_child_measures(name, monkeypatch):
         monkeypatch.setenv(warmstart.WARM_ENV, mode)
         return measure_in_child(target, kwargs, preload=preload, warmup=warmup)
 
+    warmstart.close_all()  # servers of earlier tests
     try:
         fresh = run("0")
         assert warmstart.server_pids() == []
