@@ -109,3 +109,31 @@ def test_an_unknown_marker_is_an_error(suite: pytest.Pytester) -> None:
     r = suite.runpytest_subprocess("test_typo.py")
     assert r.ret != 0
     r.stdout.fnmatch_lines(["*'chlid' not found in `markers` configuration option*"])
+
+
+@pytest.mark.heavy  # two xdist workers
+def test_the_tiers_groups_keep_measuring_tests_on_one_worker(
+    suite: pytest.Pytester,
+) -> None:
+    """Under ``-n 2 --dist loadgroup`` every test that starts a process runs in its
+    group (``@measure``; ``@ray`` for a simulation), one worker each; the default tier
+    has none. A pytest-xdist or pytest release that stops honouring the groups fails
+    here, not silently (pytest-dev/pytest-xdist#1386)."""
+    pytest.importorskip("xdist")
+    r = suite.runpytest_subprocess(
+        "test_suite.py",
+        "-n",
+        "2",
+        "--dist",
+        "loadgroup",
+        "-v",
+        "-k",
+        "one_at_a_time or quiet or simulation",
+    )
+    r.stdout.fnmatch_lines_random(
+        [
+            "*PASSED test_suite.py::test_one_at_a_time@measure*",
+            "*PASSED test_suite.py::test_simulation_is_heavy@ray*",
+            "*PASSED test_suite.py::test_quiet *",
+        ]
+    )
