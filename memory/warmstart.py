@@ -329,12 +329,22 @@ def _project_root(env: dict[str, str]) -> str | None:
 
 
 def _key(env: dict[str, str]) -> tuple[object, ...]:
+    # a sitecustomize on the path runs when a process starts: it is the server's
+    hooks = tuple(
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p
+        and any(
+            os.path.exists(os.path.join(p, f))
+            for f in ("sitecustomize.py", "usercustomize.py")
+        )
+    )
     start = tuple(
         sorted(
             (k, v) for k, v in env.items() if _START_KEYS.match(k) and k != "PYTHONPATH"
         )
     )
-    return (sys.executable, os.getpid(), start, _project_root(env))
+    return (sys.executable, os.getpid(), start, hooks, _project_root(env))
 
 
 def server_pids() -> list[int]:

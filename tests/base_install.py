@@ -109,6 +109,9 @@ def env(
     paths += [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
     out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     out[BLOCK_ENV] = ",".join(sorted(extra_only_modules()))
+    # measuring children as a user's install starts them, fresh (the warm server,
+    # memory.warmstart, is the suite's): each one shows in ``log`` by its target
+    out["FLEETFIT_WARM_CHILDREN"] = "0"
     if log is not None:
         out[LOG_ENV] = str(log)
     return out
