@@ -9,7 +9,6 @@ import textwrap
 import psutil
 import pytest
 
-
 SUITE = """
 import os, subprocess, sys, time
 import pytest
