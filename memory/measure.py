@@ -320,7 +320,8 @@ def measure_in_child(
         argv.append(json.dumps(list(warmup) if warmup else None))
         full_env = child_env(env)
         try:
-            warm = warmstart.run_warm(_CHILD, argv, full_env, tmp, timeout_s)
+            kind = (target.split(":")[0], tuple(preload), warmup and warmup[0])
+            warm = warmstart.run_warm(_CHILD, argv, full_env, tmp, timeout_s, kind)
         except warmstart.WarmTimeout as e:
             raise MeasurementError(
                 f"{target} ran past its timeout of {timeout_s:g} s in the measuring child"

@@ -27,7 +27,8 @@ in a fresh child and here alike.
 
 Warm starts are on when ``FLEETFIT_WARM_CHILDREN=1`` (the test suite sets it; a
 command that measures many children in a row may). A server is kept per
-interpreter, start-time environment and project checkout; it ends with its caller
+kind of child (what it imports before its baseline), interpreter, start-time
+environment and project checkout; it ends with its caller
 (``PR_SET_PDEATHSIG``, set from one long-lived thread of the caller, and at the end
 of its input), and its child ends with it. A
 call that cannot run warm (not Linux, a busy server, a server that failed to start)
@@ -62,7 +63,7 @@ _START_KEYS = re.compile(
     r"^(MALLOC_|MKL_|OMP_|KMP_|GOMP_|OPENBLAS_|LD_|GLIBC_|PYTHON|CUDA_|TORCH|PYTORCH_"
     r"|NVIDIA_|HF_|TRANSFORMERS_)"
 )
-_MAX_SERVERS = 4
+_MAX_SERVERS = 6
 _PER_KEY = 2  # children measured at once from one environment (threads)
 _START_TIMEOUT_S = 300.0
 
@@ -420,7 +421,12 @@ class _Placeholder:
 
 
 def run_warm(
-    code: str, argv: list[str], env: dict[str, str], tmp: str, timeout_s: float
+    code: str,
+    argv: list[str],
+    env: dict[str, str],
+    tmp: str,
+    timeout_s: float,
+    kind: tuple[object, ...] = (),
 ) -> WarmResult | None:
     """Run the child ``code`` with ``argv`` forked from a warm server.
 
@@ -430,6 +436,10 @@ def run_warm(
         env: its whole environment (``memory.measure.child_env``).
         tmp: a directory for its standard output and error files.
         timeout_s: kill the child after this many seconds.
+        kind: what the child imports before its baseline (its target's module, its
+            preloads, its warm-up): children of one kind share a server, so what a
+            server learns from one (``WARM_LIBRARIES``) is what the next would import
+            before its baseline anyway; another kind gets a server of its own.
 
     Returns:
         The exit code and standard error, or None where a warm start does not apply
@@ -441,7 +451,7 @@ def run_warm(
     """
     if not enabled() or _project_root(env) is None:
         return None
-    key = _key(env)
+    key = (*_key(env), kind)
     server = _acquire(key, env)
     if server is None:
         return None
