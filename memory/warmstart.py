@@ -299,9 +299,8 @@ class _Server:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-        for f in (self.proc.stdout,):
-            if f is not None:
-                f.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._log.close()
 
 
@@ -309,16 +308,9 @@ _servers: dict[tuple[object, ...], list[_Server]] = {}
 _servers_lock = threading.Lock()
 
 
-_spawner_pool: list[ThreadPoolExecutor] = []
-
-
-def _spawner() -> ThreadPoolExecutor:
-    with _servers_lock:
-        if not _spawner_pool:
-            _spawner_pool.append(
-                ThreadPoolExecutor(1, thread_name_prefix="fleetfit-warm-start")
-            )
-        return _spawner_pool[0]
+# Servers start from this one long-lived thread (created at the first start):
+# PR_SET_PDEATHSIG fires when the thread that started a process ends.
+_spawner = ThreadPoolExecutor(1, thread_name_prefix="fleetfit-warm-start")
 
 
 def _project_root(env: dict[str, str]) -> str | None:
@@ -396,7 +388,7 @@ def _acquire(key: tuple[object, ...], env: dict[str, str]) -> _Server | None:
     try:
         # Started from one long-lived thread: PR_SET_PDEATHSIG fires when the
         # thread that started a process ends, and callers' threads come and go.
-        server: _Server | None = _spawner().submit(_Server, env).result()
+        server: _Server | None = _spawner.submit(_Server, env).result()
     except (OSError, RuntimeError, EOFError):
         server = None
     with _servers_lock:
