@@ -136,3 +136,23 @@ def test_the_tiers_groups_keep_measuring_tests_on_one_worker(
             "*PASSED test_suite.py::test_quiet *",
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "heavy"),
+    [
+        ("/venv/bin/flower-superlink --insecure", True),
+        ("/venv/bin/flwr run . local", True),
+        ("/venv/lib/python3.12/site-packages/ray/core/src/ray/raylet/raylet", True),
+        ("/usr/sbin/nginx -p /tmp/w -c /tmp/w/nginx.conf -e /tmp/proxy.log", True),
+        ("/usr/sbin/nginx -p /tmp/w -c /tmp/w/nginx.conf -e /tmp/proxy.log -t", False),
+        ("torchrun --nproc-per-node 3 train.py", True),
+        ("torchrun --nproc-per-node=2 train.py", False),
+        ("/venv/bin/python -m fleetfit memory plan gpt-byte", False),
+    ],
+)
+def test_heavy_commands(command: str, heavy: bool) -> None:
+    """A serving nginx is heavy; ``nginx -t`` (a config check) is one child."""
+    from tests.tiers import _HEAVY_COMMANDS
+
+    assert bool(_HEAVY_COMMANDS.search(command)) is heavy

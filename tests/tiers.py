@@ -14,7 +14,7 @@ default tier and a command line that names files or tests runs all of theirs.
 
 Enforced while a test runs: a default-tier test that starts a process, or a child-tier
 test that starts one while another it started is still running, or one that runs a
-heavy tier's process (a SuperLink, a SuperNode, ``flwr``, Ray, nginx, 3+ ranks; its
+heavy tier's process (a SuperLink, a SuperNode, ``flwr``, Ray, nginx serving, 3+ ranks; its
 own child or one a CLI subprocess started, sampled every 0.5 s), fails with the marker
 it needs. Warm measuring servers
 (``memory.warmstart``) live across tests and count for no test.
@@ -44,7 +44,8 @@ TIERS = ("default", "child", "heavy")
 _HEAVY_MARKERS = {"heavy", "simulation", "deployment"}
 _HEAVY_COMMANDS = re.compile(
     r"flower-superlink|flower-supernode|flower-superexec|flwr-serverapp|flwr-clientapp"
-    r"|/flwr\b|\bflwr (run|ls|log|stop)|/ray/|\bray::|raylet|gcs_server|nginx"
+    r"|/flwr\b|\bflwr (run|ls|log|stop)|/ray/|\bray::|raylet|gcs_server"
+    r"|nginx(?!.*\s-t(\s|$))"  # nginx serving; ``nginx -t`` only checks a config
     r"|--nproc[-_]per[-_]node[= ]([3-9]|\d\d)"
 )
 GRACE_S = {"default": 3.0, "child": 5.0, "heavy": 15.0}

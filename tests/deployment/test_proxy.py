@@ -52,6 +52,7 @@ def test_fleet_routes_are_flowers_whole_fleet_api():
     assert called == ours
 
 
+@pytest.mark.child  # nginx -t checks the config: one process
 def test_nginx_config_passes_only_the_fleet_routes(tmp_path):
     nginx = nginx_or_skip()
     tls = make_tls(tmp_path)
