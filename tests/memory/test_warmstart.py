@@ -96,7 +96,9 @@ def test_a_warm_child_measures_what_a_fresh_child_measures(name, monkeypatch):
             f"{name}: baseline fresh {fresh.baseline_bytes / MiB:.2f} MiB, "
             f"warm {w.baseline_bytes / MiB:.2f}"
         )
-        assert abs(w.baseline_bytes - fresh.baseline_bytes) <= fresh.baseline_bytes / 100, base
+        assert (
+            abs(w.baseline_bytes - fresh.baseline_bytes) <= fresh.baseline_bytes / 100
+        ), base
         assert w.result["losses"] == fresh.result["losses"]
 
 
