@@ -6,6 +6,11 @@ import os
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Two test workers on two cores each start torch processes (measured children, Ray
+# actors, ClientApps) with two OpenMP threads: libgomp's default spin-waiting then
+# made a ViT step 19 s instead of 2.6 s in each of two concurrent children (the same
+# peaks, 233 MiB). Passive waiting costs about 3% of a step alone.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault(
     "FLEETFIT_WARM_CHILDREN", "1"
 )  # memory.warmstart: forked children
