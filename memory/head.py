@@ -13,8 +13,16 @@ loss runs over vocabulary blocks of at most ``HEAD_BLOCK_BYTES`` of weight; when
 head is streamed, its weight (its own, or a tied one it borrows) is read from the
 store and its gradient written there a block at a time (``weight_rows``), never whole.
 
-The loss is the model's own: mean over the labels that count, shifted by one token for
-a causal LM (``causal_lm_targets``), with ``-100`` ignored.
+The loss is the model's own, and this is checked, not assumed: the chunked loss is
+the cross entropy of the head's output (mean over the labels that count, shifted by
+one token for a causal LM, ``-100`` ignored), so it is the model's loss only where the
+model's forward returns the head's output unchanged as its logits and its loss is
+that cross entropy alone. Every forward through an installed head checks the first
+(the model's ``logits`` must be the very tensor the head returned: a soft-cap, a
+logits bias or a scale applied after the head is refused whatever its value) and
+that the model computed no auxiliary loss (a mixture-of-experts router's ``aux_loss``,
+which its own loss would add); ``own_loss_refusal`` checks both, and the loss itself,
+against the model's own forward on one example before a plan may chunk.
 
 Example:
     >>> head = ChunkedHead.find(model, chunks=8)  # doctest: +SKIP
@@ -34,6 +42,7 @@ from torch import nn
 from memory.batch import is_causal_lm
 from memory.chunked_loss import (
     WeightRows,
+    _is_fake,
     causal_lm_targets,
     chunked_linear_cross_entropy,
 )
@@ -92,6 +101,7 @@ class ChunkedHead:
         the weight is in memory."""
         self._targets: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
+        self._returned: torch.Tensor | None = None
         self._installed = False
 
     @classmethod
@@ -136,7 +146,9 @@ class ChunkedHead:
             if torch._C._current_graph_task_id() == -1:  # not a rerun in backward
                 self._loss = loss if self._loss is None else self._loss + loss
             shape = (*hidden.shape[:-1], head.out_features)
-            return hidden.new_zeros(()).expand(shape)
+            out = hidden.new_zeros(()).expand(shape)
+            self._returned = out
+            return out
 
         head.forward = forward  # type: ignore[method-assign,assignment]
         self._installed = True
@@ -192,6 +204,21 @@ class ChunkedHead:
         then, since a recomputed head reruns its forward in backward)."""
         self._targets = None
         self._loss = None
+        self._returned = None
+
+    def check_output(self, output: Any) -> None:
+        """Raise unless the model's ``output`` of a forward through the installed head
+        shows that the chunked loss is its own loss: its ``logits`` are the very
+        tensor the head returned (nothing applied after the head) and it computed no
+        auxiliary loss.
+
+        Raises:
+            MemoryPlanError: the model transforms its logits after the head, or adds
+                an auxiliary loss; plan with ``loss_chunks=1``.
+        """
+        why = _output_refusal(self.model, self.name, output, self._returned)
+        if why is not None:
+            raise MemoryPlanError(f"{why}; plan with loss_chunks=1")
 
     def loss_of(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Forward of ``model`` on ``inputs`` with the loss computed in the head;
@@ -199,6 +226,7 @@ class ChunkedHead:
         call = self.prepare(inputs)
         self._loss = None
         out = call_model(model, call)
+        self.check_output(out)
         del out
         loss = self._loss
         self._loss = None
@@ -207,3 +235,116 @@ class ChunkedHead:
                 f"the model's forward did not call its head {self.name!r}"
             )
         return loss
+
+
+OWN_LOSS_RTOL = 1e-4
+"""Relative tolerance of ``own_loss_refusal``'s comparison of the chunked loss with
+the model's own (the chunked sums run in another order: float32 rounding, about
+1e-7 relative; a transform or a different loss differs by far more)."""
+
+
+def _first(value: Any) -> Any:
+    """``output.logits`` / ``output["logits"]`` / ``output[0]``, or None."""
+    logits = getattr(value, "logits", None)
+    if logits is None and isinstance(value, dict):
+        logits = value.get("logits")
+    return logits
+
+
+def _output_refusal(
+    model: nn.Module, head: str, output: Any, returned: torch.Tensor | None
+) -> str | None:
+    name = type(model).__name__
+    if returned is None:
+        return f"the forward of {name} did not call its head {head!r}"
+    logits = _first(output)
+    if logits is None:
+        return (
+            f"{name}'s output ({type(output).__name__}) has no logits to check the "
+            "chunked loss against"
+        )
+    if logits is not returned:
+        return (
+            f"{name} changes its logits after its head {head!r} (a soft-cap, a bias, a "
+            "scale): a chunked loss would train the raw head's cross entropy, not the "
+            "model's loss"
+        )
+    for key in ("aux_loss", "router_aux_loss", "z_loss"):
+        extra = getattr(output, key, None)
+        if extra is None and isinstance(output, dict):
+            extra = output.get(key)
+        if isinstance(extra, torch.Tensor):
+            return (
+                f"{name} computes an auxiliary loss ({key}) that its own loss adds: a "
+                "chunked loss would drop it"
+            )
+    return None
+
+
+def own_loss_refusal(
+    model: nn.Module, inputs: Any, *, rtol: float = OWN_LOSS_RTOL
+) -> str | None:
+    """Why a chunked head would not train ``model``'s own loss on ``inputs`` (a dict
+    with ``labels``), or None when it does.
+
+    Runs the model twice on the batch's first example, without gradients, from the
+    same random state (dropout draws alike): once as it is, for its own loss with
+    ``labels``, once through the installed chunked head; the second must return the
+    head's output unchanged as its logits, compute no auxiliary loss, and give the
+    same loss within ``rtol``. Buffers the forwards update (running statistics) are
+    put back; the parameters are only read.
+    """
+    from memory.batch import batch_size_of, loss_of
+
+    name = type(model).__name__
+    if not isinstance(inputs, dict) or "labels" not in inputs:
+        return "the inputs have no labels (a chunked head computes the model's loss)"
+    head = ChunkedHead.find(model, 2)
+    if head is None:
+        return f"{name} has no linear output layer (get_output_embeddings)"
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta or _is_fake(t) for t in tensors):
+        return f"{name}'s weights are not in memory here: its loss cannot be compared"
+    n = batch_size_of(inputs)
+
+    def first(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n:
+            return t[:1]
+        return t
+
+    one = {k: first(v) for k, v in inputs.items()}
+    saved = {k: b.clone() for k, b in model.named_buffers()}
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            own = loss_of(call_model(model, one), None, None).detach().float()
+            torch.manual_seed(0)
+            with head:
+                call = head.prepare(one)
+                head._loss = None
+                out = call_model(model, call)
+                why = _output_refusal(model, head.name, out, head._returned)
+                got = head._loss
+                del out
+                head.clear()
+    except Exception as e:  # the model's own forward failed on one example
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"{name}'s loss on one example could not be compared: {first_line}"
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved:
+                    b.copy_(saved[k])
+    if why is not None:
+        return why
+    if got is None:
+        return f"the forward of {name} did not call its head {head.name!r}"
+    got = got.detach().float()
+    if not torch.isfinite(own) or not torch.isclose(got, own, rtol=rtol, atol=0.0):
+        return (
+            f"{name}'s own loss on one example is {float(own):.6g}, the chunked head's "
+            f"{float(got):.6g}: its loss is not the head's plain cross entropy"
+        )
+    return None

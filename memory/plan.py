@@ -648,6 +648,8 @@ def _as_memory_plan(
         ch in (OFFLOAD, STREAM, INPUTS_TO_DISK) for ch in choices
     ):
         notes.append("disk bandwidth not measured: assumed 200 MB/s")
+    if model.profile.loss_chunk_refusal:
+        notes.append(f"no loss chunks: {model.profile.loss_chunk_refusal}")
     return MemoryPlan(
         blocks=blocks,
         num_microbatches=model.m,

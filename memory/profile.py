@@ -202,6 +202,7 @@ class Profile:
     update_by_chunks: bool = False
     disk: DiskBandwidth | None = None
     runtime_bytes: int = 0
+    loss_chunk_refusal: str | None = None
 
     @property
     def microbatch_options(self) -> tuple[int, ...]:

@@ -683,6 +683,10 @@ def runtime_probe(
                 continue  # no linear head to chunk the loss over: the next plan
             try:
                 tr.step(x, y)
+            except MemoryPlanError:
+                if plan.loss_chunks == 1:
+                    raise
+                continue  # its loss is not the head's (memory.head): the next plan
             finally:
                 tr.close(restore=False)
             del tr, model

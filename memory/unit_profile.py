@@ -502,21 +502,33 @@ def unit_profiles(
     units: Sequence[Block] | None = None,
 ) -> dict[int, Profile]:
     """One profile per loss chunk count the model's head allows (``{1: ...}`` for a
-    model without a chunkable head or with a ``loss_fn``)."""
-    from memory.head import ChunkedHead as _Head
+    model without a chunkable head or with a ``loss_fn``).
 
-    chunkable = (
+    A head is chunkable only where the chunked loss is the model's own
+    (``memory.head.own_loss_refusal``, on the batch's first example): a model that
+    changes its logits after the head or adds an auxiliary loss gets ``{1: ...}``, the
+    reason in ``loss_chunk_refusal`` (and in its plans' notes)."""
+    from memory.head import own_loss_refusal
+
+    refusal = None
+    if (
         loss_fn is None
         and isinstance(inputs, dict)
         and "labels" in inputs
-        and _Head.find(model, 2) is not None
-    )
+        and ChunkedHead.find(model, 2) is not None
+        and any(c > 1 for c in chunk_options)
+    ):
+        refusal = own_loss_refusal(model, inputs)
+        chunkable = refusal is None
+    else:
+        chunkable = False
     options = [c for c in chunk_options if c == 1 or chunkable] or [1]
     units = units if units is not None else find_units(model, inputs)
     return {
         c: replace(
             profile_units(model, inputs, targets, loss_fn, units=units, loss_chunks=c),
             runtime_bytes=runtime_bytes,
+            loss_chunk_refusal=refusal,
         )
         for c in options
     }

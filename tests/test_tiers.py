@@ -115,8 +115,8 @@ def test_the_tiers_groups_keep_measuring_tests_on_one_worker(
     suite: pytest.Pytester,
 ) -> None:
     """Under ``-n 2 --dist loadgroup`` every test that starts a process runs in its
-    group (``@measure``; ``@ray`` for a simulation), one worker each; the default tier
-    has none. A pytest-xdist or pytest release that stops honouring the groups fails
+    group (``@measure``), one worker; a Ray simulation and the default tier have
+    none. A pytest-xdist or pytest release that stops honouring the groups fails
     here, not silently (pytest-dev/pytest-xdist#1386)."""
     pytest.importorskip("xdist")
     r = suite.runpytest_subprocess(
@@ -132,7 +132,7 @@ def test_the_tiers_groups_keep_measuring_tests_on_one_worker(
     r.stdout.fnmatch_lines_random(
         [
             "*PASSED test_suite.py::test_one_at_a_time@measure*",
-            "*PASSED test_suite.py::test_simulation_is_heavy@ray*",
+            "*PASSED test_suite.py::test_simulation_is_heavy *",
             "*PASSED test_suite.py::test_quiet *",
         ]
     )

@@ -85,14 +85,28 @@ def _selected_tier(config: pytest.Config) -> str:
 
 def group_of(item: pytest.Item) -> str | None:
     """The xdist group a test runs in (one worker, one test at a time): SuperLink
-    deployments, Ray, and every other test that starts a process (they measure
-    memory or time); None for the default tier, which runs anywhere."""
+    deployments (their rounds wait on deadlines that a second deployment's load
+    could miss), and every other test that starts a process (they measure memory or
+    time), except Ray simulations; None for those and for the default tier, which
+    run anywhere. A simulation measures each device's step in a child of its own,
+    whose peak no other process changes (two ViT plans measured side by side: 233
+    MiB each, as alone), and its simulated times are figures, not wall time."""
     names = {m.name for m in item.iter_markers()}
     if "deployment" in names:
         return "deployment"
-    if "simulation" in names:
-        return "ray"
-    return None if tier_of(item) == "default" else "measure"
+    if "simulation" in names or tier_of(item) == "default":
+        return None
+    return "measure"
+
+
+def _order(item: pytest.Item) -> int:
+    """Where a test goes in an xdist worker's collection: the groups first (the
+    scheduler hands each to one worker, largest first), then the other tests that
+    start processes (minutes each), then the default tier (seconds each, filling
+    whichever worker frees first)."""
+    if group_of(item) is not None:
+        return 0
+    return 1 if tier_of(item) != "default" else 2
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -113,6 +127,8 @@ def pytest_collection_modifyitems(
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if xdist and os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_order)  # stable: each part keeps the collection order
 
 
 def pytest_report_header(config: pytest.Config) -> str:
