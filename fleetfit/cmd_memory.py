@@ -110,7 +110,7 @@ def plan_command(
 
 def run_command(
     workload: opt.Workload = None,
-    memory_budget: opt.MemoryBudget = None,
+    memory_budget: opt.RunMemoryBudget = None,
     plain: Annotated[
         bool,
         typer.Option(

@@ -200,6 +200,17 @@ MemoryBudget = Annotated[
         rich_help_panel=MEMORY,
     ),
 ]
+RunMemoryBudget = Annotated[
+    str | None,
+    _opt(
+        "--memory-budget",
+        parser=size,
+        metavar="SIZE",
+        help=f"{BUDGET_HELP}; the run stops if a step crosses it (required unless "
+        "--plain)",
+        rich_help_panel=MEMORY,
+    ),
+]
 DiskBudget = Annotated[
     str | None,
     _opt(

@@ -209,3 +209,19 @@ def test_server_out_defaults_to_a_timestamped_folder(monkeypatch):
     assert runner.invoke(app, ["server"]).exit_code == 0
     assert seen[0].out.startswith("runs/server-")
     assert seen[0].register == [] and seen[0].progress is True
+
+
+def test_memory_runs_budget_is_documented_as_required():
+    """`memory run` refuses to run without a budget (its guard needs one): its help
+    says so, where `memory plan`'s says no budget means the smallest plan (issue 34,
+    item 5: the help said the smallest plan for both)."""
+    found = commands()
+    run_help = options(found["memory run"])["--memory-budget"].help or ""
+    plan_help = options(found["memory plan"])["--memory-budget"].help or ""
+    assert "required unless --plain" in run_help and "smallest" not in run_help
+    assert "the smallest plan" in plan_help
+    result = runner.invoke(app, ["memory", "run", "--workload", "digits-mlp"])
+    assert result.exit_code != 0
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--memory-budget is required" in lines[0], lines
+    assert "--plain" in lines[0]
