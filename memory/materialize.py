@@ -30,13 +30,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from memory.blocks import Block
 from memory.errors import MemoryPlanError
+
+T = TypeVar("T")
 
 
 class StateSource(Protocol):
@@ -75,6 +77,43 @@ def params_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_without_weights(build: Callable[[], T]) -> tuple[T, bool]:
+    """``(build(), True)`` with ``build`` run under ``params_on_meta``; a factory
+    that reads a parameter's values while it builds (a parametrization that checks
+    its value at registration, ``nn.utils.parametrizations.orthogonal``; an
+    initialisation with a data-dependent branch) cannot run there, and is built for
+    real instead: ``(build(), False)``, its weights then in memory (and in whatever
+    is measured), from the same random state. A factory that fails for real raises
+    its own error."""
+    state = torch.random.get_rng_state()
+    try:
+        with params_on_meta():
+            return build(), True
+    except Exception:  # noqa: BLE001 - any failure on meta: the real build decides
+        torch.random.set_rng_state(state)
+    return build(), False
+
+
+def load_state_into(model: nn.Module, path: str) -> None:
+    """Copy the tensors of a safetensors file into ``model``'s state, one at a time
+    (plain reads: a mapped file would stay resident until closed).
+
+    Raises:
+        MemoryPlanError: the file names a tensor the model does not have.
+    """
+    from memory.tensorfile import TensorFile
+
+    own = model.state_dict(keep_vars=True)
+    with TensorFile(path) as f, torch.no_grad():
+        for key in f.keys():
+            if key not in own:
+                raise MemoryPlanError(
+                    f"the state file {path} has {key!r}, which "
+                    f"{type(model).__name__} does not; save it from this model"
+                )
+            own[key].copy_(f.get_tensor(key))
 
 
 def has_meta_parameters(model: nn.Module) -> bool:

@@ -171,7 +171,11 @@ class Profile:
         batch_size: examples in the profiled batch.
         batch_dependent: the model has layers whose result depends on the whole batch
             (BatchNorm): micro-batching changes its results.
-        batch_bytes: bytes of the example inputs and targets (alive the whole step).
+        batch_bytes: bytes alive the whole step outside the blocks: the example
+            inputs and targets, and what no block holds (parameters outside every
+            unit with their gradients and optimizer state,
+            ``memory.unit_profile.outside_state_bytes``; what a part keeps,
+            ``server.assign``).
         construction_peak_bytes: peak bytes while the model is built (its parameters
             and buffers plus anything built and dropped, such as an untied head).
         optimizer: ``adamw``.

@@ -41,9 +41,10 @@ from memory.guard import MemoryGuard
 from memory.head import ChunkedHead
 from memory.materialize import (
     StateSource,
+    build_without_weights,
     has_meta_parameters,
+    load_state_into,
     materialize,
-    params_on_meta,
     streamed_parameter_ids,
 )
 from memory.proximal import ProximalTerm
@@ -575,7 +576,6 @@ def train_measured(
     go straight into the store, so the whole model never exists in memory; plain
     training (``plan`` None) reads every weight, as ``load_state_dict`` would.
     """
-    import contextlib
     import statistics
     import time
 
@@ -584,11 +584,18 @@ def train_measured(
 
     baseline = rss_bytes()  # the measuring child's baseline, just taken
     torch.manual_seed(seed)
-    with params_on_meta() if init_state else contextlib.nullcontext():
+    hollow = False
+    if init_state:
+        built, hollow = build_without_weights(
+            lambda: load_factory(factory)(**factory_kwargs)
+        )
+    else:
         built = load_factory(factory)(**factory_kwargs)
     model, (inputs, targets) = built[0], built[1]
     loss_fn = built[2] if len(built) > 2 else None
-    source = TensorFile(init_state) if init_state else None
+    if init_state and not hollow:  # a factory that reads its weights: built whole
+        load_state_into(model, init_state)
+    source = TensorFile(init_state) if hollow and init_state else None
     try:
         tr = whole_model_trainer(
             model,

@@ -36,6 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
 from memory.blocks import Block
 from memory.chain_costs import (
+    ADAMW_STATE_FACTOR,
     LiveBytes,
     block_state,
     is_batch_dependent,
@@ -473,6 +474,7 @@ def profile_units(
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     batch_bytes = sum(storage_nbytes(t) for t in tensors_of((inputs, targets)))
+    base_extra += outside_state_bytes(model, units)
     return Profile(
         loss_chunk_setting=loss_chunks,
         update_by_chunks=True,
@@ -485,6 +487,29 @@ def profile_units(
         flops_per_s=rate,
         time_source="flops",
     )
+
+
+def outside_state_bytes(model: nn.Module, units: Sequence[Block]) -> int:
+    """Bytes of what no unit holds and the whole step keeps: parameters outside every
+    unit (``memory.units.outside_parameters``) with the gradients and AdamW state of
+    the trainable ones, and buffers outside every unit. A profile adds them to
+    ``batch_bytes`` (alive the whole step), as ``server.assign`` adds what a part
+    holds: priced somewhere, never nowhere."""
+    inside = {
+        id(t) for u in units for t in (*u.module.parameters(), *u.module.buffers())
+    }
+    total = 0
+    for p in model.parameters():
+        if id(p) in inside:
+            continue
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        if p.requires_grad:
+            total += nbytes * (1 + ADAMW_STATE_FACTOR)
+    for b in model.buffers():
+        if id(b) not in inside:
+            total += b.numel() * b.element_size()
+    return total
 
 
 LOSS_CHUNK_OPTIONS = (1, 4, 16)

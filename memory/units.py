@@ -11,8 +11,13 @@ unchanged. ``find_units`` picks the units from the module tree:
   is not a unit itself: its children are looked at instead.
 
 A module reached under two names (T5's ``shared`` is also ``encoder.embed_tokens``) is
-one unit, named by its first path. Parameters registered directly on a module that
-holds layers (rare) belong to no unit: they stay resident.
+one unit, named by its first path. A candidate the forward never calls but that holds
+parameters is a container the forward unpacks (``for res, attn, down in self.downs``
+over a ``ModuleList`` of ``ModuleList`` s): it is opened and its children become the
+candidates, to any depth. Parameters that still belong to no unit (registered directly
+on a module that holds layers, or used only by the model's own code) stay resident,
+and the profile prices them, with their gradients and optimizer state, as held
+through the whole step (``outside_parameters``).
 
 The order is the order in which the model's forward first calls each unit, found by
 running it under forward pre-hooks (``trace_units``; on a fake copy, so no activation is
@@ -249,12 +254,54 @@ def find_units(
             f"{type(model).__name__} has no module with parameters to plan over"
         )
     units, _ = trace_units(model, cands, inputs)
+    if names is None:
+        for _ in range(_MAX_NESTING):
+            opened = _open_uncalled(cands, units)
+            if opened is None:
+                break
+            cands = opened
+            units, _ = trace_units(model, cands, inputs)
     if not units:
         raise MemoryPlanError(
             f"{type(model).__name__}'s forward calls none of its units "
             f"{[b.name for b in cands][:5]}"
         )
     return units
+
+
+_MAX_NESTING = 8
+"""Levels of containers ``find_units`` opens (a list of lists of blocks is two)."""
+
+
+def _has_parameters(mod: nn.Module) -> bool:
+    return any(True for _ in mod.parameters())
+
+
+def _open_uncalled(
+    cands: Sequence[Block], called: Sequence[Block]
+) -> list[Block] | None:
+    """The candidates with each one the forward never called but that holds
+    parameters replaced by its children that hold parameters: a container the
+    forward unpacks (``for res, attn, down in self.downs``: a ``ModuleList`` of
+    ``ModuleList`` s) is never called itself, its blocks are. None when there is
+    nothing to open."""
+    done = {b.name for b in called}
+    out: list[Block] = []
+    seen = {id(b.module) for b in cands}
+    opened = False
+    for b in cands:
+        kids = list(b.module.named_children())
+        if b.name in done or not kids or not _has_parameters(b.module):
+            out.append(b)
+            continue
+        opened = True
+        for n, kid in kids:
+            if id(kid) in seen and kid is not b.module:
+                continue  # reached under another name: that one stands
+            if _has_parameters(kid):
+                seen.add(id(kid))
+                out.append(Block(f"{b.name}.{n}", kid))
+    return out if opened else None
 
 
 def outside_parameters(model: nn.Module, units: Sequence[Block]) -> list[str]:

@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -46,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from memory.materialize import params_on_meta
+from memory.materialize import build_without_weights, load_state_into
 from memory.measure import (
     Measurement,
     load_target,
@@ -312,15 +311,6 @@ class _AliasedFile(TensorFile):
         return super().get_tensor(self.aliases.get(name, name))
 
 
-def _load_into(model: nn.Module, path: str) -> None:
-    """Copy tensors from a safetensors file into ``model``, one at a time (plain
-    reads: a mapped file would stay resident until closed)."""
-    own = model.state_dict(keep_vars=True)
-    with TensorFile(path) as f, torch.no_grad():
-        for key in f.keys():
-            own[key].copy_(f.get_tensor(key))
-
-
 def train_child(
     *,
     train: str,
@@ -352,21 +342,31 @@ def train_child(
     fn = load_target(train)
     options = options or {}
     # a module:function workload is built to read its example batch: without weights
-    with params_on_meta() if ":" in workload else contextlib.nullcontext():
-        wl = get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+    # (for real where its factory reads them: memory.materialize.build_without_weights)
+    def workload_of() -> Any:
+        return get_workload(workload, batch_size=batch_size, seq_len=seq_len)
+
+    wl = build_without_weights(workload_of)[0] if ":" in workload else workload_of()
     batches = load_batches(batches_file)
     source = None
     if init_file is not None and init == "stream":
         # PlannedTrainer needs real buffers (computed in __init__); the chain executor
         # reads buffers from the file too
         per_unit = wl.any_model or options.get("per-unit", False)
-        with params_on_meta() if per_unit else torch.device("meta"):
-            model = wl.make_model(seed)
-        source = _AliasedFile(init_file)
+        if per_unit:
+            model, hollow = build_without_weights(lambda: wl.make_model(seed))
+        else:
+            with torch.device("meta"):
+                model = wl.make_model(seed)
+            hollow = True
+        if hollow:
+            source = _AliasedFile(init_file)
+        else:  # a factory that reads its weights: built whole, the file read in
+            load_state_into(model, init_file)
     else:
         model = wl.make_model(seed)
         if init_file is not None:
-            _load_into(model, init_file)
+            load_state_into(model, init_file)
     run = ChildRun(
         model,
         wl,

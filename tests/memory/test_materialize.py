@@ -161,3 +161,46 @@ def test_units_found_without_weights(name: str, state_dir: str) -> None:
         model, (x, _y) = build(name)
     assert [u.name for u in find_units(model, x)] == unit_names
     assert has_meta_parameters(model)  # untouched
+
+
+def orthogonal_factory(width: int = 16):
+    """A ``module:function`` factory whose build reads a parameter's values:
+    ``parametrizations.orthogonal`` checks the weight as it registers (on ``meta``:
+    ``Tensor.item() cannot be called on meta tensors``)."""
+    from torch import nn
+
+    model = nn.Sequential(
+        nn.utils.parametrizations.orthogonal(nn.Linear(width, width)),
+        nn.Tanh(),
+        nn.Linear(width, 4),
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, width, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return model, (x, y), nn.functional.cross_entropy
+
+
+def test_a_factory_that_reads_its_weights_is_built_for_real(tmp_path) -> None:
+    """Issue 34, item 6: such a factory could not train at all, not even plainly,
+    where fleetfit builds it without weights; it is built whole instead (from the same
+    random state), the state file read into it, and trains as plain does."""
+    from memory.materialize import build_without_weights, save_state
+    from memory.step import train_measured
+
+    with pytest.raises(Exception, match="meta"):
+        with params_on_meta():
+            orthogonal_factory()
+    torch.manual_seed(3)
+    (model, _, _), hollow = build_without_weights(orthogonal_factory)
+    torch.manual_seed(3)
+    again = orthogonal_factory()[0]
+    assert not hollow and not has_meta_parameters(model)
+    pairs = zip(model.state_dict().values(), again.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in pairs)
+    path = str(tmp_path / "init.safetensors")
+    torch.manual_seed(5)  # weights other than the run's own seed would build
+    save_state(orthogonal_factory()[0], path)
+    factory = "tests.memory.test_materialize:orthogonal_factory"
+    own = train_measured(factory, {}, None, steps=3, seed=0)
+    saved = train_measured(factory, {}, None, steps=3, seed=5)
+    read = train_measured(factory, {}, None, steps=3, seed=0, init_state=path)
+    assert read["losses"] == saved["losses"] != own["losses"]  # the file's weights
