@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from memory.blocks import Block
 from memory.errors import MemoryPlanError
 from memory.offload import ActivationOffload, OffloadedActivations
-from memory.recompute import frozen_buffers, has_buffers
+from memory.recompute import BufferSnapshot, frozen_buffers, has_buffers
 from memory.spec import BlockPlan, MemoryPlan
 from memory.streaming import ParamStreamer
 
@@ -173,15 +173,17 @@ class AppliedPlan:
     def _recompute(
         self, name: str, mod: torch.nn.Module, inner: Callable, offload_inputs: bool
     ) -> Callable:
-        context_fn = None
-        if has_buffers(mod):
-
-            def context_fn() -> tuple[Any, Any]:
-                return contextlib.nullcontext(), frozen_buffers(mod)
+        buffered = has_buffers(mod)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
+            # the rerun starts from the buffers this run found (an EMA it updates)
+            snap = BufferSnapshot(mod) if buffered else None
+
+            def context_fn() -> tuple[Any, Any]:
+                return contextlib.nullcontext(), frozen_buffers(mod, snap)
+
             flat, spec = tree_flatten((args, kwargs))
             where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
             tensors = [flat[i] for i in where]
@@ -194,14 +196,17 @@ class AppliedPlan:
                 return inner(*a, **k)
 
             extra: dict[str, Any] = {}
-            if context_fn is not None:
+            if snap is not None:
                 extra["context_fn"] = context_fn
             if not offload_inputs:
-                return checkpoint(run, *tensors, use_reentrant=False, **extra)
-            acts = self._acts(name, list(mod.parameters()))
-            with acts.hooks():
                 out = checkpoint(run, *tensors, use_reentrant=False, **extra)
-            acts.commit()
+            else:
+                acts = self._acts(name, list(mod.parameters()))
+                with acts.hooks():
+                    out = checkpoint(run, *tensors, use_reentrant=False, **extra)
+                acts.commit()
+            if snap is not None:
+                snap.settle()
             return out
 
         return forward

@@ -25,22 +25,67 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+class BufferSnapshot:
+    """A module's buffers as its forward found them, for a rerun of that forward.
+
+    Taken before the first run (a copy of every buffer); ``settle`` after it keeps the
+    copy only where the forward changed a buffer (in place: its version moved; or
+    replaced). A unit that updates a buffer it also reads (an exponential moving
+    average) is then rerun on the values its first run saw, not on the updated ones;
+    one whose buffers did not change (most: BatchNorm's statistics change, but its
+    training-mode output does not read them) drops the copy at once.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.entries = [
+            (sub, name, buf, buf._version)
+            for sub in module.modules()
+            for name, buf in sub._buffers.items()
+            if buf is not None
+        ]
+        self.values: list[torch.Tensor] | None = [
+            buf.detach().clone() for _, _, buf, _ in self.entries
+        ]
+
+    def settle(self) -> None:
+        if self.values is None:
+            return
+        changed = any(
+            sub._buffers.get(name) is not buf or buf._version != version
+            for sub, name, buf, version in self.entries
+        )
+        if not changed:
+            self.values = None
+
+
 @contextlib.contextmanager
-def frozen_buffers(module: nn.Module) -> Iterator[None]:
+def frozen_buffers(
+    module: nn.Module, start: BufferSnapshot | None = None
+) -> Iterator[None]:
     """Run ``module`` without changing its buffers.
 
     Every buffer (BatchNorm ``running_mean``, ``running_var``, ``num_batches_tracked``)
     is swapped for a copy for the duration and the originals are put back afterwards,
     also when the block raises (``torch.utils.checkpoint`` stops a recompute early with
-    an exception). Outputs do not change: in training mode BatchNorm normalises with the
-    batch's statistics, not the running ones.
+    an exception). The copies are of the buffers as they are now, or, with ``start``
+    (a ``BufferSnapshot`` its first run kept), as the first run found them. Outputs do
+    not change: in training mode BatchNorm normalises with the batch's statistics, not
+    the running ones.
     """
+    values = None if start is None else start.values
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for sub in module.modules():
-        for name, buf in list(sub._buffers.items()):
+    if values is not None and start is not None:
+        for (sub, name, _, _), value in zip(start.entries, values):
+            buf = sub._buffers[name]
             if buf is not None:
                 swapped.append((sub, name, buf))
-                sub._buffers[name] = buf.clone()
+                sub._buffers[name] = value.clone()
+    else:
+        for sub in module.modules():
+            for name, buf in list(sub._buffers.items()):
+                if buf is not None:
+                    swapped.append((sub, name, buf))
+                    sub._buffers[name] = buf.clone()
     try:
         yield
     finally:
@@ -70,12 +115,15 @@ def checkpoint_block(
     """
     if not has_buffers(module):
         return checkpoint(fn, x, use_reentrant=False)
-    return checkpoint(
+    snap = BufferSnapshot(module)
+    out = checkpoint(
         fn,
         x,
         use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), frozen_buffers(module)),
+        context_fn=lambda: (contextlib.nullcontext(), frozen_buffers(module, snap)),
     )
+    snap.settle()
+    return out
 
 
 @dataclass
@@ -86,23 +134,33 @@ class RecomputeRecord:
         inputs: the block's input.
         rng_state: the CPU RNG state before the forward.
         cuda_rng_state: the current CUDA device's RNG state, when CUDA was in use.
+        buffers: the buffers the forward changed, as it found them (``module`` given).
     """
 
     inputs: torch.Tensor
     rng_state: torch.Tensor
     cuda_rng_state: torch.Tensor | None = None
+    buffers: BufferSnapshot | None = None
 
 
 def forward_no_grad(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, RecomputeRecord]:
-    """Run ``fn(x)`` without autograd, keeping what ``recompute`` needs."""
+    """Run ``fn(x)`` without autograd, keeping what ``recompute`` needs (with
+    ``module``, the buffers its forward changed, as the forward found them)."""
     cuda = x.is_cuda
     record = RecomputeRecord(
-        x, torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+        x,
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state() if cuda else None,
+        BufferSnapshot(module) if module is not None and has_buffers(module) else None,
     )
     with torch.no_grad():
         out = fn(x)
+    if record.buffers is not None:
+        record.buffers.settle()
     return out, record
 
 
@@ -123,7 +181,10 @@ def recompute(
     if input_requires_grad:
         leaf.requires_grad_(True)
     devices = [torch.cuda.current_device()] if record.cuda_rng_state is not None else []
-    with torch.random.fork_rng(devices=devices), frozen_buffers(module):
+    with (
+        torch.random.fork_rng(devices=devices),
+        frozen_buffers(module, record.buffers),
+    ):
         torch.set_rng_state(record.rng_state)
         if record.cuda_rng_state is not None:
             torch.cuda.set_rng_state(record.cuda_rng_state)

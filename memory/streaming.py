@@ -29,7 +29,8 @@ addition commutes, so the sum equals autograd's).
 
 Two kinds of parameter are never loaded or given a gradient whole (*row-streamed*):
 
-- an embedding table (``nn.Embedding`` whose weight the unit owns, ``row_lookups``)
+- an embedding table (``nn.Embedding``, or an ``nn.EmbeddingBag`` summing or averaging
+  its bags, whose weight the unit owns, ``row_lookups``)
   is looked up in its mapped file, which touches only the rows of the batch's tokens,
   and its backward is made sparse (``sparse=True`` while the plan is applied): the
   store sums the looked-up rows (in the order the dense backward sums them, so the
@@ -69,21 +70,31 @@ def parameter_owners(units: Sequence[Block]) -> dict[int, int]:
     return owner
 
 
-def row_lookups(units: Sequence[Block]) -> dict[int, list[nn.Embedding]]:
+Lookup = nn.Embedding | nn.EmbeddingBag
+"""A table looked up by rows: an embedding, or a bag of them (sum or mean)."""
+
+
+def _row_lookup(mod: nn.Module) -> bool:
+    if isinstance(mod, nn.EmbeddingBag):
+        return mod.mode != "max"  # a max bag has no sparse gradient
+    return isinstance(mod, nn.Embedding)
+
+
+def row_lookups(units: Sequence[Block]) -> dict[int, list[Lookup]]:
     """Per unit index, the embedding tables whose lookups a streamed unit makes
-    sparse: ``nn.Embedding`` modules inside the unit (and no other unit) whose
-    trainable weight the unit owns, without ``max_norm`` (which renormalises rows
-    in place)."""
+    sparse: ``nn.Embedding`` and ``nn.EmbeddingBag`` (sum or mean) modules inside
+    the unit (and no other unit) whose trainable weight the unit owns, without
+    ``max_norm`` (which renormalises rows in place)."""
     owner = parameter_owners(units)
     seen: dict[int, set[int]] = {}
     for k, u in enumerate(units):
         for mod in u.module.modules():
             seen.setdefault(id(mod), set()).add(k)
-    out: dict[int, list[nn.Embedding]] = {}
+    out: dict[int, list[Lookup]] = {}
     for k, u in enumerate(units):
         for mod in u.module.modules():
             if (
-                isinstance(mod, nn.Embedding)
+                _row_lookup(mod)
                 and seen[id(mod)] == {k}
                 and owner.get(id(mod.weight)) == k
                 and mod.weight.requires_grad
@@ -209,7 +220,7 @@ class ParamStreamer:
             self.store.close()
             raise
         self._reset_pending()
-        self._sparse: list[nn.Embedding] = []
+        self._sparse: list[Lookup] = []
         for k, mods in row_lookups(self.units).items():
             if k in self.streamed:
                 for mod in mods:

@@ -309,7 +309,7 @@ class _RowParams:
         self.own = [0] * n
         self.shared = [0] * n
         self.lookups = row_lookups(units)
-        self.tables: dict[int, list[tuple[nn.Embedding, int, int, bool]]] = {}
+        self.tables: dict[int, list[tuple[nn.Module, int, int, bool]]] = {}
         for k, mods in self.lookups.items():
             for mod in mods:
                 w = mod.weight

@@ -386,7 +386,7 @@ class LocalExecutor:
         mode = self.plan.blocks[i].activations
         fn = self._fn(i, k)
         if i in self.streamed and not last:
-            out, record = forward_no_grad(fn, x)
+            out, record = forward_no_grad(fn, x, module)
             self._fwd[(i, k)] = record
         elif mode == "recompute":
             out = checkpoint_block(fn, x, module)

@@ -341,6 +341,7 @@ def train_child(
         torch.set_num_threads(threads)
     fn = load_target(train)
     options = options or {}
+
     # a module:function workload is built to read its example batch: without weights
     # (for real where its factory reads them: memory.materialize.build_without_weights)
     def workload_of() -> Any:
