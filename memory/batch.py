@@ -10,6 +10,20 @@ parts (other values, such as a shared position table, go to every part) and weig
 each part's loss by its share of the items that count (``count_items``): for a mean
 over tokens with padding or masking, a part's mean is not the batch mean, but the
 weighted sum of the parts' means is.
+
+A model says what its batch is where that rule does not hold, with a class (or
+instance) attribute ``batch_inputs`` (``batch_layout``):
+
+- ``batch_inputs = ()``: nothing is batch-shaped; the batch is one whole (a graph's
+  node features and edge index, a set): it is never cut, by micro-batches or by the
+  probes that run on a slice, and counts as a batch of one;
+- ``batch_inputs = ("x", "labels")`` (dict keys) or ``(0,)`` (positions of a tuple):
+  only these inputs are cut, along their first dimension (the batch size is the first
+  one's); targets are cut where their first dimension is that size.
+
+Example:
+    >>> class GraphNet(nn.Module):  # doctest: +SKIP
+    ...     batch_inputs = ()  # one graph: never split
 """
 
 from __future__ import annotations
@@ -50,15 +64,74 @@ def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return x
 
 
-def batch_size_of(inputs: Any) -> int:
-    """The batch size: the first dimension of the first tensor of the inputs."""
-    for t in tensors_of(inputs):
+Layout = tuple[str | int, ...] | None
+"""What a model's ``batch_inputs`` says: None (every tensor whose first dimension is
+the batch), ``()`` (a whole batch, never cut) or the batch-shaped inputs' keys."""
+
+
+def batch_layout(model: nn.Module | None) -> Layout:
+    """The model's ``batch_inputs`` (see the module docstring); None without one.
+
+    Raises:
+        MemoryPlanError: ``batch_inputs`` is not a tuple or list of input names or
+            positions.
+    """
+    value = getattr(model, "batch_inputs", None) if model is not None else None
+    if value is None:
+        return None
+    if not isinstance(value, tuple | list) or not all(
+        isinstance(k, str | int) and not isinstance(k, bool) for k in value
+    ):
+        raise MemoryPlanError(
+            f"{type(model).__name__}.batch_inputs is {value!r}; give a tuple of the "
+            "batch-shaped inputs' names or positions, or () for a batch that must "
+            "never be cut"
+        )
+    return tuple(value)
+
+
+def _chosen(inputs: Any, layout: Layout) -> list[torch.Tensor]:
+    """The batch-shaped tensors of ``inputs`` under ``layout`` (not ``()``)."""
+    if layout is None:
+        return tensors_of(inputs)
+    out: list[torch.Tensor] = []
+    for key in layout:
+        try:
+            value = inputs[key]
+        except (KeyError, IndexError, TypeError):
+            raise MemoryPlanError(
+                f"batch_inputs names {key!r}, which the inputs "
+                f"({type(inputs).__name__}) do not have; name dict keys or tuple "
+                "positions"
+            ) from None
+        out += tensors_of(value)
+    return out
+
+
+def batch_size_of(inputs: Any, layout: Layout = None) -> int:
+    """The batch size: the first dimension of the first (batch-shaped) tensor of the
+    inputs; 1 for a whole batch (``layout`` ``()``)."""
+    if layout == ():
+        return 1
+    for t in _chosen(inputs, layout):
         if t.dim() > 0:
             return int(t.shape[0])
     raise MemoryPlanError(
         "the inputs hold no tensor with a batch dimension; give tensors whose first "
-        "dimension is the batch"
+        "dimension is the batch (or set the model's batch_inputs = () for a batch "
+        "that must never be cut)"
     )
+
+
+def first_items(inputs: Any, targets: Any, k: int, layout: Layout = None) -> tuple:
+    """``(inputs, targets)`` cut to their first ``k`` items (a probe's slice): the
+    whole batch where it must not be cut."""
+    if layout == ():
+        return inputs, targets
+    n = batch_size_of(inputs, layout)
+    if k >= n:
+        return inputs, targets
+    return _cut(inputs, targets, n, layout, lambda t: t[:k])
 
 
 def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
@@ -81,15 +154,47 @@ def short_batch_microbatches(m: int, *, planned: int, actual: int) -> int:
     return actual
 
 
-def split_batch(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:
-    """``parts`` equal micro-batches of ``(inputs, targets)`` along the batch dimension.
+def _cut(
+    inputs: Any,
+    targets: Any,
+    n: int,
+    layout: Layout,
+    cut: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[Any, Any]:
+    def batchy(t: torch.Tensor) -> torch.Tensor:
+        return cut(t) if t.dim() > 0 and t.shape[0] == n else t
+
+    if layout is None:
+        x = map_tensors(inputs, batchy)
+    elif isinstance(inputs, dict):
+        x = {k: map_tensors(v, batchy) if k in layout else v for k, v in inputs.items()}
+    elif isinstance(inputs, tuple | list):
+        items = [
+            map_tensors(v, batchy) if i in layout else v for i, v in enumerate(inputs)
+        ]
+        x = type(inputs)(items) if isinstance(inputs, list) else tuple(items)
+    else:
+        x = map_tensors(inputs, batchy)
+    return x, map_tensors(targets, batchy)
+
+
+def split_batch(
+    inputs: Any, targets: Any, parts: int, layout: Layout = None
+) -> list[tuple[Any, Any]]:
+    """``parts`` equal micro-batches of ``(inputs, targets)`` along the batch dimension
+    (of the batch-shaped inputs, ``layout``).
 
     Raises:
-        MemoryPlanError: the batch does not divide into ``parts``.
+        MemoryPlanError: the batch does not divide into ``parts``, or must not be cut.
     """
     if parts == 1:
         return [(inputs, targets)]
-    n = batch_size_of(inputs)
+    if layout == ():
+        raise MemoryPlanError(
+            f"the model's batch must not be cut (batch_inputs = ()), but the plan has "
+            f"{parts} micro-batches; plan with num_microbatches=1"
+        )
+    n = batch_size_of(inputs, layout)
     if n % parts:
         raise MemoryPlanError(
             f"a batch of {n} does not split into {parts} equal micro-batches; plan "
@@ -99,16 +204,11 @@ def split_batch(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:
 
     def piece(j: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def cut(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() > 0 and t.shape[0] == n:
-                return t[j * size : (j + 1) * size]
-            return t
+            return t[j * size : (j + 1) * size]
 
         return cut
 
-    return [
-        (map_tensors(inputs, piece(j)), map_tensors(targets, piece(j)))
-        for j in range(parts)
-    ]
+    return [_cut(inputs, targets, n, layout, piece(j)) for j in range(parts)]
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -135,7 +235,7 @@ def count_items(model: nn.Module, inputs: Any, targets: Any) -> int:
         if labels.dim() > 1 and is_causal_lm(model) and targets is None:
             labels = labels[..., 1:]
         return int((labels != IGNORE_INDEX).sum())
-    return batch_size_of(inputs)
+    return batch_size_of(inputs, batch_layout(model))
 
 
 def loss_of(output: Any, targets: Any, loss_fn: Callable | None) -> torch.Tensor:

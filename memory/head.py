@@ -294,7 +294,7 @@ def own_loss_refusal(
     same loss within ``rtol``. Buffers the forwards update (running statistics) are
     put back; the parameters are only read.
     """
-    from memory.batch import batch_size_of, loss_of
+    from memory.batch import batch_layout, first_items, loss_of
 
     name = type(model).__name__
     if not isinstance(inputs, dict) or "labels" not in inputs:
@@ -305,14 +305,7 @@ def own_loss_refusal(
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta or _is_fake(t) for t in tensors):
         return f"{name}'s weights are not in memory here: its loss cannot be compared"
-    n = batch_size_of(inputs)
-
-    def first(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n:
-            return t[:1]
-        return t
-
-    one = {k: first(v) for k, v in inputs.items()}
+    one, _ = first_items(inputs, None, 1, batch_layout(model))
     saved = {k: b.clone() for k, b in model.named_buffers()}
     device = next((t.device for t in tensors), torch.device("cpu"))
     devices = [device] if device.type == "cuda" else []

@@ -29,8 +29,10 @@ from torch import nn
 
 from memory.apply import AppliedPlan
 from memory.batch import (
+    batch_layout,
     batch_size_of,
     count_items,
+    first_items,
     loss_of,
     short_batch_microbatches,
     split_batch,
@@ -147,6 +149,13 @@ class PlannedTrainer:
         baseline_bytes: int | None = None,
         init_state: StateSource | None = None,
     ) -> None:
+        self.layout = batch_layout(model)  # what of a batch may be cut
+        if self.layout == () and plan.num_microbatches > 1:
+            raise MemoryPlanError(
+                f"{type(model).__name__}'s batch must not be cut (batch_inputs = ()), "
+                f"but the plan has {plan.num_microbatches} micro-batches; plan with "
+                "num_microbatches=1"
+            )
         ProximalTerm.refuse(  # before any file is opened
             (settings or TrainSettings()).proximal_mu,
             (b.name for b in plan.blocks if b.state == "stream"),
@@ -252,7 +261,7 @@ class PlannedTrainer:
         for inputs, targets in batches:
             k = m
             if m > 1:
-                actual = batch_size_of(inputs)
+                actual = batch_size_of(inputs, self.layout)
                 if planned_size is None:
                     planned_size = actual
                 k = short_batch_microbatches(m, planned=planned_size, actual=actual)
@@ -265,7 +274,7 @@ class PlannedTrainer:
         """Forward and backward of one batch under the plan, gradients added to
         ``.grad`` (scaled by 1 / accumulate_steps); no update. Returns its loss."""
         m = num_microbatches or self.plan.num_microbatches
-        parts = split_batch(inputs, targets, m)
+        parts = split_batch(inputs, targets, m, self.layout)
         if m > 1:
             counts = [self.count_fn(x, y) for x, y in parts]
             total = sum(counts)
@@ -650,7 +659,6 @@ def runtime_probe(
     import gc
     import tempfile
 
-    from memory.batch import map_tensors
     from memory.measure import _status_bytes
     from memory.spec import BlockPlan
 
@@ -660,22 +668,12 @@ def runtime_probe(
         torch.manual_seed(0)
         built = load_factory(factory)(**factory_kwargs)
         model, (inputs, targets) = built[0], built[1]
-        n = batch_size_of(inputs)
-        k = min(n, 2)
-
-        def first(t: torch.Tensor) -> torch.Tensor:
-            return t[:k] if t.dim() > 0 and t.shape[0] == n else t
-
-        return (
-            model,
-            map_tensors(inputs, first),
-            map_tensors(targets, first),
-            built[2] if len(built) > 2 else None,
-        )
+        x, y = first_items(inputs, targets, 2, batch_layout(model))
+        return model, x, y, built[2] if len(built) > 2 else None
 
     model, x, y, loss_fn = build()
     names = [u.name for u in find_units(model, x)]
-    k = batch_size_of(x)
+    k = batch_size_of(x, batch_layout(model))
     every = tuple(BlockPlan(n, "recompute", "stream", True) for n in names)
     mechanisms = [
         MemoryPlan(every, num_microbatches=k, loss_chunks=c)

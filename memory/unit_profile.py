@@ -33,7 +33,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from memory.batch import batch_size_of, loss_of, map_tensors, split_batch, tensors_of
+from memory.batch import (
+    batch_layout,
+    batch_size_of,
+    loss_of,
+    map_tensors,
+    split_batch,
+    tensors_of,
+)
 from memory.blocks import Block
 from memory.chain_costs import (
     ADAMW_STATE_FACTOR,
@@ -411,7 +418,8 @@ def profile_units(
                 f"{type(model).__name__} has no linear output layer to chunk its loss"
             )
         head.install()
-    batch = batch_size_of(inputs)
+    layout = batch_layout(model)
+    batch = batch_size_of(inputs, layout)
     states = block_state(fake_units, optimizer)
     rows = _RowParams(fake_units, head)
     exclude = {storage_key(t) for t in (*fake.parameters(), *fake.buffers())}
@@ -424,7 +432,7 @@ def profile_units(
         for m in [
             d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
         ]:
-            x, y = split_batch(fx, fy, m)[0]
+            x, y = split_batch(fx, fy, m, layout)[0]
             batch_keys = {storage_key(t) for t in tensors_of((x, y))}
             counting = rows.hooks()
             try:
