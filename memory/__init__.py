@@ -12,6 +12,7 @@ from memory.sizes import format_bytes, parse_bytes
 
 __all__ = [
     "BudgetError",
+    "LogitsCrossEntropy",
     "MemoryPlanError",
     "PlannedTrainer",
     "TrainSettings",
@@ -23,6 +24,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "LogitsCrossEntropy": "memory.declared_loss",
     "plan_training": "memory.api",
     "TrainingPlan": "memory.api",
     "PlannedTrainer": "memory.step",

@@ -40,7 +40,8 @@ class TrainingPlan:
         units: the model's units, in the plan's block order.
         plain_peak_bytes: the predicted peak of plain training of the same batch (one
             loss chunk, nothing recomputed, moved or split), for comparison.
-        loss_fn: the loss it was planned with (None: the model's own ``output.loss``).
+        loss_fn: the loss it was planned with (None: the model's own ``output.loss``;
+            a declared ``LogitsCrossEntropy`` with its head found).
     """
 
     model: nn.Module
@@ -76,7 +77,9 @@ def plan_training(
         model: any module (called as ``memory.units.call_model`` describes).
         inputs, targets, loss_fn: one batch and its loss (``loss_fn(output,
             targets)``; None: the model's own ``output.loss``, from ``labels`` in
-            ``inputs``).
+            ``inputs``). Loss chunks are offered for the model's own loss and for a
+            declared ``memory.LogitsCrossEntropy`` (its head found here), where
+            ``memory.head`` checks that the chunked loss is that loss.
         budget_bytes: the peak above the process's baseline the step may reach; None
             plans the smallest peak.
         runtime_bytes: the runtime's own first-step cost to add to every prediction
@@ -89,10 +92,15 @@ def plan_training(
         MemoryPlanError: the model or batch cannot be planned (one line, the reason).
     """
     from memory.cost import predict
+    from memory.declared_loss import LogitsCrossEntropy
+    from memory.head import declared_head
     from memory.spec import MemoryPlan
     from memory.unit_profile import plan_units, unit_profiles
     from memory.units import find_units
 
+    if isinstance(loss_fn, LogitsCrossEntropy) and loss_fn.head is None:
+        head, _ = declared_head(model, inputs, loss_fn)  # None: no chunks offered
+        loss_fn = loss_fn if head is None else loss_fn.with_head(head)
     units = tuple(find_units(model, inputs))
     profiles = unit_profiles(
         model, inputs, targets, loss_fn, runtime_bytes=runtime_bytes, units=units

@@ -46,6 +46,7 @@ from memory.chunked_loss import (
     causal_lm_targets,
     chunked_linear_cross_entropy,
 )
+from memory.declared_loss import LogitsCrossEntropy
 from memory.errors import MemoryPlanError
 from memory.units import call_model
 
@@ -79,9 +80,19 @@ class ChunkedHead:
         name: the head's module path (a ``nn.Linear``).
         chunks: token chunks of the loss.
         causal: the labels are shifted by one (causal LM).
+        declared: the user's declared loss (``memory.declared_loss``): the targets
+            are the step's ``targets`` (not ``labels`` in the inputs), and the loss
+            is its cross entropy; None: the model's own loss from ``labels``.
     """
 
-    def __init__(self, model: nn.Module, name: str, chunks: int, causal: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str,
+        chunks: int,
+        causal: bool,
+        declared: LogitsCrossEntropy | None = None,
+    ) -> None:
         modules = dict(model.named_modules(remove_duplicate=False))
         head = modules.get(name)
         if not isinstance(head, nn.Linear):
@@ -95,6 +106,8 @@ class ChunkedHead:
         self.head = head
         self.chunks = chunks
         self.causal = causal
+        self.declared = declared
+        self.ignore_index = IGNORE_INDEX if declared is None else declared.ignore_index
         self.vocab_chunks = vocab_blocks(head.weight)
         self.weight_rows: Callable[[torch.Tensor], WeightRows | None] | None = None
         """Where a streamed weight's rows come from (``memory.streaming``); None:
@@ -102,6 +115,7 @@ class ChunkedHead:
         self._targets: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
         self._returned: torch.Tensor | None = None
+        self._calls = 0  # forward calls through the head since ``prepare``
         self._installed = False
 
     @classmethod
@@ -119,6 +133,19 @@ class ChunkedHead:
         if name is None:
             return None
         return cls(model, name, chunks, is_causal_lm(model))
+
+    @classmethod
+    def for_loss(
+        cls, model: nn.Module, chunks: int, loss_fn: Any
+    ) -> ChunkedHead | None:
+        """The head that computes ``loss_fn`` in chunks: the model's own head for its
+        own loss (``loss_fn`` None, ``find``), the declared loss's head (its ``head``
+        must be found first: ``declared_head``), None for any other ``loss_fn``."""
+        if loss_fn is None:
+            return cls.find(model, chunks)
+        if isinstance(loss_fn, LogitsCrossEntropy) and loss_fn.head is not None:
+            return cls(model, loss_fn.head, chunks, loss_fn.shift, declared=loss_fn)
+        return None
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -141,10 +168,12 @@ class ChunkedHead:
                 targets,
                 chunks=min(self.chunks, max(1, targets.numel())),
                 vocab_chunks=self.vocab_chunks,
+                ignore_index=self.ignore_index,
                 weight_rows=rows,
             )
             if torch._C._current_graph_task_id() == -1:  # not a rerun in backward
                 self._loss = loss if self._loss is None else self._loss + loss
+                self._calls += 1
             shape = (*hidden.shape[:-1], head.out_features)
             out = hidden.new_zeros(()).expand(shape)
             self._returned = out
@@ -170,9 +199,15 @@ class ChunkedHead:
         self.remove()
 
     # ------------------------------------------------------------------ a loss
-    def prepare(self, inputs: Any) -> dict:
+    def prepare(self, inputs: Any, targets: Any = None) -> Any:
         """The model's inputs without ``labels`` (a seq2seq model gets its
-        ``decoder_input_ids`` from them); the targets are kept for the head."""
+        ``decoder_input_ids`` from them); the targets are kept for the head. For a
+        declared loss the inputs are the model's as they are and the targets are
+        ``targets``."""
+        self._calls = 0
+        if self.declared is not None:
+            self._targets = self.declared.targets_of(targets)
+            return inputs
         if not isinstance(inputs, dict) or "labels" not in inputs:
             raise MemoryPlanError(
                 "a chunked loss head needs the inputs as a dict with 'labels'"
@@ -205,6 +240,7 @@ class ChunkedHead:
         self._targets = None
         self._loss = None
         self._returned = None
+        self._calls = 0
 
     def check_output(self, output: Any) -> None:
         """Raise unless the model's ``output`` of a forward through the installed head
@@ -216,14 +252,23 @@ class ChunkedHead:
             MemoryPlanError: the model transforms its logits after the head, or adds
                 an auxiliary loss; plan with ``loss_chunks=1``.
         """
-        why = _output_refusal(self.model, self.name, output, self._returned)
+        why = _output_refusal(
+            self.model, self.name, output, self._returned, self.declared
+        )
+        if why is None and self._calls > 1:
+            why = (
+                f"{type(self.model).__name__} calls its head {self.name!r} "
+                f"{self._calls} times in one forward: each call would add a loss"
+            )
         if why is not None:
             raise MemoryPlanError(f"{why}; plan with loss_chunks=1")
 
-    def loss_of(self, model: nn.Module, inputs: Any) -> torch.Tensor:
-        """Forward of ``model`` on ``inputs`` with the loss computed in the head;
-        call ``clear`` after its backward."""
-        call = self.prepare(inputs)
+    def loss_of(
+        self, model: nn.Module, inputs: Any, targets: Any = None
+    ) -> torch.Tensor:
+        """Forward of ``model`` on ``inputs`` with the loss computed in the head
+        (``targets``: a declared loss's); call ``clear`` after its backward."""
+        call = self.prepare(inputs, targets)
         self._loss = None
         out = call_model(model, call)
         self.check_output(out)
@@ -252,11 +297,27 @@ def _first(value: Any) -> Any:
 
 
 def _output_refusal(
-    model: nn.Module, head: str, output: Any, returned: torch.Tensor | None
+    model: nn.Module,
+    head: str,
+    output: Any,
+    returned: torch.Tensor | None,
+    declared: LogitsCrossEntropy | None = None,
 ) -> str | None:
     name = type(model).__name__
     if returned is None:
         return f"the forward of {name} did not call its head {head!r}"
+    if declared is not None:
+        try:
+            logits = declared.logits_of(output)
+        except MemoryPlanError as e:
+            return str(e)
+        if logits is not returned:
+            return (
+                f"{name} changes its logits after its head {head!r} (or they are not "
+                "that head's output): a chunked loss would train the raw head's cross "
+                "entropy, not LogitsCrossEntropy of the model's logits"
+            )
+        return None
     logits = _first(output)
     if logits is None:
         return (
@@ -341,3 +402,155 @@ def own_loss_refusal(
             f"{float(got):.6g}: its loss is not the head's plain cross entropy"
         )
     return None
+
+
+def declared_head(
+    model: nn.Module, inputs: Any, loss_fn: LogitsCrossEntropy
+) -> tuple[str | None, str | None]:
+    """The module path of the ``nn.Linear`` whose output ``model`` returns as the
+    logits of the declared loss, or None and why there is none.
+
+    Runs the model once on the batch's first example, without gradients (buffers put
+    back, the random state kept), with a hook on every ``nn.Linear``: the head is the
+    one whose output is the logits by identity (a transform after it, such as a scale
+    or a soft-cap, leaves no such Linear), called once; the head ``loss_fn.head``
+    names, where given, must be it."""
+    from memory.batch import batch_layout, first_items
+
+    name = type(model).__name__
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta or _is_fake(t) for t in tensors):
+        if loss_fn.head is not None:
+            return loss_fn.head, None  # as declared; every forward checks it
+        return None, (
+            f"{name}'s weights are not in memory here: its head cannot be found; give "
+            "LogitsCrossEntropy(head=...)"
+        )
+    one, _ = first_items(inputs, None, 1, batch_layout(model))
+    linears: dict[int, tuple[str, nn.Linear]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, nn.Linear):
+            linears.setdefault(id(m), (n, m))
+    calls: dict[int, list[torch.Tensor]] = {}
+    hooks = []
+    for key, (_, m) in linears.items():
+
+        def hook(_m: nn.Module, _a: Any, out: Any, _k: int = key) -> None:
+            calls.setdefault(_k, []).append(out)
+
+        hooks.append(m.register_forward_hook(hook))
+    saved = {k: b.clone() for k, b in model.named_buffers()}
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            out = call_model(model, one)
+            logits = loss_fn.logits_of(out)
+            hits = [k for k, outs in calls.items() if any(o is logits for o in outs)]
+            counts = {k: len(outs) for k, outs in calls.items()}
+            del out, logits
+    except MemoryPlanError as e:
+        return None, str(e)
+    except Exception as e:  # the model's forward failed on one example
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"{name}'s forward on one example failed: {first_line}"
+    finally:
+        calls.clear()
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved:
+                    b.copy_(saved[k])
+    if not hits:
+        return None, (
+            f"{name}'s logits are not the output of a nn.Linear head (a transform "
+            "after the head, or no Linear head): LogitsCrossEntropy cannot be chunked"
+        )
+    head_name, head = linears[hits[0]]
+    if counts[hits[0]] != 1:
+        return None, (
+            f"{name} calls its head {head_name!r} {counts[hits[0]]} times in one "
+            "forward: a chunked loss would add a loss for each"
+        )
+    if loss_fn.head is not None:
+        named = dict(model.named_modules(remove_duplicate=False)).get(loss_fn.head)
+        if named is not head:
+            return None, (
+                f"LogitsCrossEntropy names head {loss_fn.head!r}, but {name}'s logits "
+                f"are the output of {head_name!r}"
+            )
+        return loss_fn.head, None
+    return head_name, None
+
+
+def declared_loss_refusal(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: LogitsCrossEntropy,
+    *,
+    rtol: float = OWN_LOSS_RTOL,
+) -> tuple[LogitsCrossEntropy, str | None]:
+    """The declared loss with its head found (``declared_head``), and why a chunked
+    head would not compute it on ``(inputs, targets)`` (None: it does).
+
+    As ``own_loss_refusal`` does, runs the model twice more on the batch's first
+    example, without gradients, from the same random state: once as it is, for
+    ``loss_fn``'s loss, once through the head installed as a chunked head, which must
+    return the head's output unchanged as the logits and give the same loss within
+    ``rtol``."""
+    from memory.batch import batch_layout, first_items
+
+    name = type(model).__name__
+    head_name, why = declared_head(model, inputs, loss_fn)
+    if head_name is None:
+        return loss_fn, why
+    found = loss_fn.with_head(head_name)
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta or _is_fake(t) for t in tensors):
+        why = f"{name}'s weights are not in memory here: its loss cannot be compared"
+        return found, why
+    one, y1 = first_items(inputs, targets, 1, batch_layout(model))
+    saved = {k: b.clone() for k, b in model.named_buffers()}
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    devices = [device] if device.type == "cuda" else []
+    head = ChunkedHead.for_loss(model, 2, found)
+    assert head is not None
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            own = found(call_model(model, one), y1).detach().float()
+            torch.manual_seed(0)
+            with head:
+                call = head.prepare(one, y1)
+                head._loss = None
+                out = call_model(model, call)
+                try:
+                    head.check_output(out)
+                finally:
+                    got = head._loss
+                    del out
+                    head.clear()
+    except MemoryPlanError as e:
+        return found, str(e).removesuffix("; plan with loss_chunks=1")
+    except Exception as e:  # the model's forward or the loss failed on one example
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return (
+            found,
+            f"{name}'s loss on one example could not be compared: {first_line}",
+        )
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved:
+                    b.copy_(saved[k])
+    if got is None:
+        return found, f"the forward of {name} did not call its head {head_name!r}"
+    got = got.detach().float()
+    if not torch.isfinite(own) or not torch.isclose(got, own, rtol=rtol, atol=0.0):
+        return found, (
+            f"{name}'s LogitsCrossEntropy on one example is {float(own):.6g}, the "
+            f"chunked head's {float(got):.6g}"
+        )
+    return found, None

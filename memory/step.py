@@ -38,9 +38,10 @@ from memory.batch import (
     split_batch,
 )
 from memory.blocks import Block
+from memory.declared_loss import LogitsCrossEntropy
 from memory.errors import MemoryPlanError
 from memory.guard import MemoryGuard
-from memory.head import ChunkedHead
+from memory.head import ChunkedHead, declared_head
 from memory.materialize import (
     StateSource,
     build_without_weights,
@@ -115,6 +116,9 @@ class PlannedTrainer:
         plan: the memory plan; its blocks name the model's units.
         inputs: an example batch's inputs, to find the units (unless ``units`` given).
         loss_fn: ``loss_fn(output, targets)``; None uses the model's ``output.loss``.
+            A plan with loss chunks takes None or a declared
+            ``memory.LogitsCrossEntropy`` (its head found on ``inputs`` unless it
+            names it), whose micro-batches are weighted by its counted targets.
         settings: AdamW and the step's extras.
         units: the units (default: ``find_units(model, inputs)``).
         offload_dir: where offloaded tensors go (default: a temporary directory).
@@ -170,13 +174,25 @@ class PlannedTrainer:
                 )
             values = _materialize(model, plan, units, init_state)
         self.head: ChunkedHead | None = None
+        declared = isinstance(loss_fn, LogitsCrossEntropy)
         if plan.loss_chunks > 1:
-            if loss_fn is not None:
+            if loss_fn is not None and not declared:
                 raise MemoryPlanError(
-                    "a plan with loss chunks computes the model's own loss in its "
-                    "head; it cannot apply a loss_fn"
+                    "a plan with loss chunks computes the loss in the model's head: "
+                    "its own loss, or a declared memory.LogitsCrossEntropy, not "
+                    "another loss_fn; plan with loss_chunks=1"
                 )
-            self.head = ChunkedHead.find(model, plan.loss_chunks)
+            if isinstance(loss_fn, LogitsCrossEntropy) and loss_fn.head is None:
+                if inputs is None:
+                    raise MemoryPlanError(
+                        "a plan with loss chunks needs LogitsCrossEntropy's head: give "
+                        "example inputs or LogitsCrossEntropy(head=...)"
+                    )
+                found, why = declared_head(model, inputs, loss_fn)
+                if found is None:
+                    raise MemoryPlanError(f"{why}; plan with loss_chunks=1")
+                loss_fn = loss_fn.with_head(found)
+            self.head = ChunkedHead.for_loss(model, plan.loss_chunks, loss_fn)
             if self.head is None:
                 raise MemoryPlanError(
                     f"{type(model).__name__} has no linear output layer to chunk its "
@@ -191,6 +207,8 @@ class PlannedTrainer:
         self.plan = plan
         self.loss_fn = loss_fn
         self.settings = settings or TrainSettings()
+        if count_fn is None and isinstance(loss_fn, LogitsCrossEntropy):
+            count_fn = lambda x, y: loss_fn.count(y)  # noqa: E731
         self.count_fn = count_fn or (lambda x, y: count_items(model, x, y))
         self._use_cache = no_kv_cache(model)
         self.num_updates = 0
@@ -292,7 +310,7 @@ class PlannedTrainer:
             for j, ((x, y), w) in enumerate(zip(parts, weights)):
                 self._last_part = j == len(parts) - 1
                 if self.head is not None:
-                    loss = self.head.loss_of(self.model, x)
+                    loss = self.head.loss_of(self.model, x, y)
                 else:
                     out = call_model(self.model, x)
                     loss = loss_of(out, y, self.loss_fn)
@@ -543,6 +561,7 @@ def whole_model_trainer(
     return PlannedTrainer(
         model,
         plan,
+        inputs if init_state is None else None,  # a declared loss's head: found
         units=units,
         loss_fn=loss_fn,
         settings=TrainSettings(lr=lr),
@@ -677,7 +696,11 @@ def runtime_probe(
     every = tuple(BlockPlan(n, "recompute", "stream", True) for n in names)
     mechanisms = [
         MemoryPlan(every, num_microbatches=k, loss_chunks=c)
-        for c in ((2, 1) if loss_fn is None else (1,))
+        for c in (
+            (2, 1)
+            if loss_fn is None or isinstance(loss_fn, LogitsCrossEntropy)
+            else (1,)
+        )
     ]
     with tempfile.TemporaryDirectory(dir=offload_dir) as tmp:
         for plan in [MemoryPlan.plain(names)] + mechanisms:

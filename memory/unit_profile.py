@@ -255,7 +255,7 @@ def _loss(
     head: ChunkedHead | None,
 ) -> torch.Tensor:
     if head is not None:
-        loss = head.loss_of(model, inputs)
+        loss = head.loss_of(model, inputs, targets)
         if not torch.is_grad_enabled():
             head.clear()
         return loss
@@ -412,10 +412,11 @@ def profile_units(
     no_kv_cache(fake)  # the copy's own configs: training runs without a KV cache
     head = None
     if loss_chunks > 1:
-        head = ChunkedHead.find(fake, loss_chunks)
+        head = ChunkedHead.for_loss(fake, loss_chunks, loss_fn)
         if head is None:
             raise MemoryPlanError(
                 f"{type(model).__name__} has no linear output layer to chunk its loss"
+                " (or its loss_fn is not a declared LogitsCrossEntropy with its head)"
             )
         head.install()
     layout = batch_layout(model)
@@ -535,26 +536,32 @@ def unit_profiles(
     units: Sequence[Block] | None = None,
 ) -> dict[int, Profile]:
     """One profile per loss chunk count the model's head allows (``{1: ...}`` for a
-    model without a chunkable head or with a ``loss_fn``).
+    model without a chunkable head or with a ``loss_fn`` that is not declared).
 
     A head is chunkable only where the chunked loss is the model's own
     (``memory.head.own_loss_refusal``, on the batch's first example): a model that
     changes its logits after the head or adds an auxiliary loss gets ``{1: ...}``, the
-    reason in ``loss_chunk_refusal`` (and in its plans' notes)."""
-    from memory.head import own_loss_refusal
+    reason in ``loss_chunk_refusal`` (and in its plans' notes). A ``loss_fn`` is
+    chunked only where it is a ``memory.declared_loss.LogitsCrossEntropy`` whose
+    logits are its head's output (``memory.head.declared_loss_refusal``); a user's
+    own function is not looked into."""
+    from memory.declared_loss import LogitsCrossEntropy
+    from memory.head import declared_loss_refusal, own_loss_refusal
 
     refusal = None
-    if (
-        loss_fn is None
-        and isinstance(inputs, dict)
-        and "labels" in inputs
-        and ChunkedHead.find(model, 2) is not None
-        and any(c > 1 for c in chunk_options)
-    ):
-        refusal = own_loss_refusal(model, inputs)
-        chunkable = refusal is None
-    else:
-        chunkable = False
+    chunkable = False
+    if any(c > 1 for c in chunk_options):
+        if (
+            loss_fn is None
+            and isinstance(inputs, dict)
+            and "labels" in inputs
+            and ChunkedHead.find(model, 2) is not None
+        ):
+            refusal = own_loss_refusal(model, inputs)
+            chunkable = refusal is None
+        elif isinstance(loss_fn, LogitsCrossEntropy):  # a declared loss: checked
+            loss_fn, refusal = declared_loss_refusal(model, inputs, targets, loss_fn)
+            chunkable = refusal is None
     options = [c for c in chunk_options if c == 1 or chunkable] or [1]
     units = units if units is not None else find_units(model, inputs)
     return {
