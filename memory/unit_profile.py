@@ -133,8 +133,9 @@ class _Trace:
 
     def pre(self, k: int, args: tuple, kwargs: dict) -> None:
         ins = tensors_of((args, kwargs))
-        if torch.is_grad_enabled():
-            self._claim(ins, self.current)  # the glue before belongs to the last unit
+        # the glue before belongs to the last unit (also where the unit runs without
+        # autograd inside its own node, a reentrant checkpoint's: the node is glue)
+        self._claim(ins, self.current)
         self._close_segment()
         self.current = k
         self.inside = True
@@ -202,11 +203,16 @@ def _run_trace(
     for u in units:
         k = index[id(u.module)]
 
+        # A unit called inside the backward is a rerun (the model's own reentrant
+        # ``checkpoint(unit, x, use_reentrant=True)``): its forward and backward are
+        # the backward of the unit whose node runs it, not a new forward.
         def pre(_m: nn.Module, a: tuple, kw: dict, _k: int = k) -> None:
-            tr.pre(_k, a, kw)
+            if torch._C._current_graph_task_id() == -1:
+                tr.pre(_k, a, kw)
 
         def post(_m: nn.Module, a: tuple, kw: dict, out: Any, _k: int = k) -> None:
-            tr.post(_k, out)
+            if torch._C._current_graph_task_id() == -1:
+                tr.post(_k, out)
 
         hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(u.module.register_forward_hook(post, with_kwargs=True))
@@ -272,13 +278,39 @@ def _prehook(tr: _Trace, node: Any) -> Callable:
     return hook
 
 
+def glue_kept_inputs(tr: _Trace) -> list[set[int]]:
+    """Per unit, its inputs that glue saves for backward: the unit's own glue (a
+    reentrant ``checkpoint(unit, x)`` in the model's forward saves ``x`` once the
+    unit has run) or the glue before it (a non-reentrant one saves ``x`` before it
+    calls the unit). They stay in memory until the backward whatever the plan does
+    with the unit: its input is kept, never on disk (no ``D`` option), and they are no
+    activations a wrapper could have moved (``moved_glue_bytes``)."""
+    out = []
+    for k in range(tr.n):
+        glue = set(tr.glue_saved[k]) | (set(tr.glue_saved[k - 1]) if k else set())
+        out.append({s for s in tr.inputs[k] if s in glue})
+    return out
+
+
+def moved_glue_bytes(tr: _Trace, kept_inputs: list[set[int]]) -> list[int]:
+    """Per unit, the bytes its glue saves that are neither its own input nor the
+    next unit's (``glue_kept_inputs``): activations the unit's wrappers cannot move,
+    which make it keep-only when large."""
+    out = []
+    for k in range(tr.n):
+        kept = kept_inputs[k] | (kept_inputs[k + 1] if k + 1 < tr.n else set())
+        out.append(sum(b for s, b in tr.glue_saved[k].items() if s not in kept))
+    return out
+
+
 def _costs(tr: _Trace, shared: set[int]) -> list[BlockCosts]:
     out = []
+    kept_inputs = glue_kept_inputs(tr)
     for k in range(tr.n):
         ins = {s: b for s, b in tr.inputs[k].items() if s not in shared}
         outs = tr.outputs[k]
         saved = {**tr.saved[k], **tr.glue_saved[k]}
-        saves_input = any(s in saved for s in ins)
+        saves_input = any(s in saved or s in kept_inputs[k] for s in ins)
         saves_output = any(s in saved for s in outs)
         other = sum(
             b
@@ -427,6 +459,7 @@ def profile_units(
     costs_by_m: dict[int, list[BlockCosts]] = {}
     base_extra = 0
     glue_of: list[int] = []
+    glue_keeps_input: list[bool] = []
     with mode:
         fx = map_tensors(inputs, mode.from_tensor)
         fy = map_tensors(targets, mode.from_tensor)
@@ -452,7 +485,9 @@ def profile_units(
                     seen.setdefault(s, k)
             costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(_costs(tr, shared))]
             if m == 1:
-                glue_of = [sum(g.values()) for g in tr.glue_saved]
+                kept_inputs = glue_kept_inputs(tr)
+                glue_of = moved_glue_bytes(tr, kept_inputs)
+                glue_keeps_input = [bool(s) for s in kept_inputs]
                 sizes = {s: b for k in range(tr.n) for s, b in tr.inputs[k].items()}
                 base_extra = sum(sizes[s] for s in shared)
             for p in fake.parameters():
@@ -470,7 +505,13 @@ def profile_units(
             for m, cs in costs_by_m.items()
         }
         # glue that saves tensors: the unit's wrappers could not move them
-        options = ("K",) if glue_of[k] > 64 * 1024 else ("K", "R", "O", "S", "D")
+        # (and glue that keeps the unit's input: not on disk, D, whatever the unit does)
+        if glue_of[k] > 64 * 1024:
+            options: tuple[str, ...] = ("K",)
+        elif glue_keeps_input[k]:
+            options = ("K", "R", "O", "S")
+        else:
+            options = ("K", "R", "O", "S", "D")
         blocks.append(
             BlockProfile(
                 costs=by_m,
