@@ -414,21 +414,34 @@ def declared_head(
     back, the random state kept), with a hook on every ``nn.Linear``: the head is the
     one whose output is the logits by identity (a transform after it, such as a scale
     or a soft-cap, leaves no such Linear), called once; the head ``loss_fn.head``
-    names, where given, must be it."""
-    from memory.batch import batch_layout, first_items
+    names, where given, must be it. A model built without its weights
+    (``memory.materialize.params_on_meta``) runs as a fake copy (no memory)."""
+    import contextlib
+
+    from memory.batch import batch_layout, first_items, map_tensors
 
     name = type(model).__name__
     tensors = [*model.parameters(), *model.buffers()]
-    if any(t.is_meta or _is_fake(t) for t in tensors):
+    one, _ = first_items(inputs, None, 1, batch_layout(model))
+    run: nn.Module = model
+    mode: Any = contextlib.nullcontext()
+    if any(_is_fake(t) for t in tensors):
         if loss_fn.head is not None:
             return loss_fn.head, None  # as declared; every forward checks it
         return None, (
-            f"{name}'s weights are not in memory here: its head cannot be found; give "
+            f"{name}'s weights are fake tensors here: its head cannot be found; give "
             "LogitsCrossEntropy(head=...)"
         )
-    one, _ = first_items(inputs, None, 1, batch_layout(model))
+    if any(t.is_meta for t in tensors):  # built without weights: a fake copy runs
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from memory.units import _fake_of_meta
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        run = _fake_of_meta(model, mode)
+        one = map_tensors(one, mode.from_tensor)
     linears: dict[int, tuple[str, nn.Linear]] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
+    for n, m in run.named_modules(remove_duplicate=False):
         if isinstance(m, nn.Linear):
             linears.setdefault(id(m), (n, m))
     calls: dict[int, list[torch.Tensor]] = {}
@@ -439,12 +452,12 @@ def declared_head(
             calls.setdefault(_k, []).append(out)
 
         hooks.append(m.register_forward_hook(hook))
-    saved = {k: b.clone() for k, b in model.named_buffers()}
+    saved = {k: b.clone() for k, b in run.named_buffers()}
     device = next((t.device for t in tensors), torch.device("cpu"))
     devices = [device] if device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            out = call_model(model, one)
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), mode:
+            out = call_model(run, one)
             logits = loss_fn.logits_of(out)
             hits = [k for k, outs in calls.items() if any(o is logits for o in outs)]
             counts = {k: len(outs) for k, outs in calls.items()}
@@ -459,7 +472,7 @@ def declared_head(
         for h in hooks:
             h.remove()
         with torch.no_grad():
-            for k, b in model.named_buffers():
+            for k, b in run.named_buffers():
                 if k in saved:
                     b.copy_(saved[k])
     if not hits:
@@ -474,7 +487,7 @@ def declared_head(
             "forward: a chunked loss would add a loss for each"
         )
     if loss_fn.head is not None:
-        named = dict(model.named_modules(remove_duplicate=False)).get(loss_fn.head)
+        named = dict(run.named_modules(remove_duplicate=False)).get(loss_fn.head)
         if named is not head:
             return None, (
                 f"LogitsCrossEntropy names head {loss_fn.head!r}, but {name}'s logits "

@@ -561,7 +561,7 @@ def whole_model_trainer(
     return PlannedTrainer(
         model,
         plan,
-        inputs if init_state is None else None,  # a declared loss's head: found
+        inputs,  # a declared loss's head is found on them
         units=units,
         loss_fn=loss_fn,
         settings=TrainSettings(lr=lr),

@@ -208,3 +208,18 @@ def test_declared_loss_is_plain_cross_entropy_and_checks_its_arguments() -> None
         memory.LogitsCrossEntropy(logits="x")({"logits": logits}, t)
     with pytest.raises(MemoryPlanError, match="integer class targets"):
         ce(logits, t.float())
+
+
+def test_declared_head_is_found_on_a_model_built_without_weights() -> None:
+    """A measured child builds the model on ``meta`` and reads its weights unit by
+    unit: the head is found on a fake copy, with no weights."""
+    from memory.head import declared_head
+    from memory.materialize import params_on_meta
+
+    x, _ = _batch()
+    with params_on_meta():
+        model = GPT()
+    assert model.head.weight.is_meta
+    assert declared_head(model, x, LOSS["gpt"]) == ("head", None)
+    name, why = declared_head(GPT(scale=2.0), x, LOSS["gpt"])
+    assert name is None and "not the output of a nn.Linear head" in why
