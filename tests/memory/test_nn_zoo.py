@@ -18,13 +18,18 @@ runs ``zoo`` tests only where ``-m`` names the marker). The whole zoo::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
+from torch import nn
 
 import memory
-from memory.errors import BudgetError
+from memory.api import DROPOUT_NOTE
+from memory.errors import BudgetError, MemoryPlanError
+from memory.plan import BATCH_DEPENDENT_NOTE
+from memory.spec import BlockPlan, MemoryPlan
 from memory.step import make_optimizer
 from tests.memory import nn_zoo as Z
 
@@ -215,3 +220,145 @@ def test_half_budget_plan_trains_like_plain(name: str) -> None:
 @pytest.mark.parametrize("name", _params())
 def test_smallest_plan_trains_like_plain(name: str) -> None:
     _check(name, half=False)
+
+
+# ------------------------------------------------- dropout and batch-dependent layers
+
+
+def _case(spec: Z.Layer, seed: int = 0) -> Z.Case:
+    Z.EXTRAS["_probe"] = spec
+    try:
+        return Z.build("_probe", seed)
+    finally:
+        del Z.EXTRAS["_probe"]
+
+
+DROPOUT = Z.Layer(
+    lambda: nn.TransformerEncoderLayer(
+        Z.D, 2, dim_feedforward=2 * Z.D, dropout=0.1, batch_first=True
+    ),
+    "tokens",
+    shape=(16, 16),
+)
+"""Encoder layers with their own dropout (p = 0.1: attention, feed-forward, residual)."""
+
+
+def _all(names: list[str], **kw: object) -> MemoryPlan:
+    return MemoryPlan(tuple(BlockPlan(n, **kw) for n in names))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kind", ["smallest", "recompute", "offload", "stream", "inputs-on-disk"]
+)
+def test_dropout_without_microbatches_is_plain(kind: str) -> None:
+    """Recompute replays the random state its first run saw, offload keeps the
+    tensors (the masks among them): without micro-batches every plan draws plain's
+    masks, and trains bit for bit like plain (seeds set alike before each step)."""
+    ref = _train(_case(DROPOUT), None)
+    other = _case(DROPOUT)
+    with torch.no_grad():  # the test could fail: other draws change the loss
+        torch.manual_seed(7)
+        out = other.loss_fn(other.model(*other.inputs), other.targets)
+    assert float(out) != ref[0][0]
+    case = _case(DROPOUT)
+    planned = memory.plan_training(
+        case.model, case.inputs, case.targets, case.loss_fn, allow_microbatching=False
+    )
+    assert planned.plan.num_microbatches == 1
+    assert DROPOUT_NOTE not in planned.plan.notes
+    names = [u.name for u in planned.units]
+    plans = {
+        "recompute": _all(names, activations="recompute"),
+        "offload": _all(names, activations="offload"),
+        "stream": _all(names, activations="recompute", state="stream"),
+        "inputs-on-disk": _all(names, activations="recompute", offload_inputs=True),
+    }
+    if kind != "smallest":
+        planned = dataclasses.replace(planned, plan=plans[kind])
+    else:
+        assert not planned.plan.is_plain
+    losses, grads = _train(case, planned)
+    assert losses == ref[0]
+    for want, have in zip(ref[1], grads):
+        assert want.keys() == have.keys()
+        for k in want:
+            assert torch.equal(want[k], have[k]), k
+
+
+def test_dropout_with_microbatches_is_stated() -> None:
+    """Micro-batches draw each micro-batch's masks, not the whole batch's: losses
+    differ by design, and the plan's notes say so; without dropout they do not."""
+    case = _case(DROPOUT)
+    planned = memory.plan_training(case.model, case.inputs, case.targets, case.loss_fn)
+    assert planned.plan.num_microbatches > 1
+    assert DROPOUT_NOTE in planned.plan.notes
+    case.model.eval()  # no dropout in eval mode
+    quiet = memory.plan_training(case.model, case.inputs, case.targets, case.loss_fn)
+    assert quiet.plan.num_microbatches > 1
+    assert DROPOUT_NOTE not in quiet.plan.notes
+
+
+BATCHNORM = Z.Layer(lambda: nn.BatchNorm1d(Z.C), "conv1", family="batchnorm", copies=2)
+SPECTRAL = Z.Layer(lambda: Z.EXTRAS["spectral_norm"].make(), "tokens", shape=(16, 16))
+
+
+def test_batchnorm_is_never_microbatched_silently() -> None:
+    """A BatchNorm model's plans have no micro-batches; forced with
+    allow_microbatching=True they have, and their notes say that losses differ (they
+    do); a plan with micro-batches made by hand stops in one line naming the layer
+    and the fix, also when the micro-batches are asked for at the step; in eval mode
+    (a frozen BatchNorm reads fixed statistics) micro-batches are allowed."""
+    case = _case(BATCHNORM)
+    auto = memory.plan_training(case.model, case.inputs, case.targets, case.loss_fn)
+    assert auto.plan.num_microbatches == 1
+    assert BATCH_DEPENDENT_NOTE not in auto.plan.notes
+    assert not auto.plan.batch_dependent_microbatches
+
+    forced = memory.plan_training(
+        case.model,
+        case.inputs,
+        case.targets,
+        case.loss_fn,
+        allow_microbatching=True,
+    )
+    assert forced.plan.num_microbatches > 1
+    assert BATCH_DEPENDENT_NOTE in forced.plan.notes
+    assert forced.plan.batch_dependent_microbatches
+    plain = _case(BATCHNORM)
+    for c in (case, plain):  # items of different scales: each part's statistics differ
+        (x,) = c.inputs
+        c.inputs = (x * torch.linspace(0.1, 4.0, len(x)).view(-1, 1, 1),)
+    ref = _train(plain, None)
+    losses, _ = _train(case, forced)  # allowed: trains, differently by design
+    assert abs(losses[0] - ref[0][0]) > 1e-3 * abs(ref[0][0])
+
+    by_hand = dataclasses.replace(
+        auto, plan=MemoryPlan(auto.plan.blocks, num_microbatches=2)
+    )
+    with pytest.raises(MemoryPlanError) as e:
+        by_hand.trainer(settings=SETTINGS)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "BatchNorm1d 'layers.0' normalises over the batch" in msg
+    assert "num_microbatches=1" in msg and "allow_microbatching=True" in msg
+    with auto.trainer(settings=SETTINGS) as tr, pytest.raises(MemoryPlanError):
+        tr.backward(case.inputs, case.targets, num_microbatches=2)
+
+    case.model.eval()
+    with by_hand.trainer(settings=SETTINGS) as tr:
+        tr.backward(case.inputs, case.targets)  # eval mode: nothing batch-dependent
+
+
+def test_spectral_norm_is_batch_dependent() -> None:
+    """spectral_norm's power iteration runs once per forward in training mode: once
+    per micro-batch, and the next forward reads it, so it is batch-dependent (its
+    plans have no micro-batches, the zoo's spectral_norm case trains like plain) and a
+    hand-made plan with micro-batches is refused."""
+    case = _case(SPECTRAL)
+    auto = memory.plan_training(case.model, case.inputs, case.targets, case.loss_fn)
+    assert auto.plan.num_microbatches == 1
+    by_hand = dataclasses.replace(
+        auto, plan=MemoryPlan(auto.plan.blocks, num_microbatches=2)
+    )
+    with pytest.raises(MemoryPlanError, match="spectral_norm at 'layers.0.lin"):
+        by_hand.trainer(settings=SETTINGS)
