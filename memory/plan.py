@@ -638,9 +638,9 @@ def _groups(
 
 BATCH_DEPENDENT_NOTE = (
     "micro-batches on a model with batch-dependent layers (allowed by "
-    "allow_microbatching=True): BatchNorm statistics (and a spectral_norm's power "
-    "iteration) are taken per micro-batch, so losses and gradients differ from "
-    "whole-batch training"
+    "allow_microbatching=True): BatchNorm statistics are taken per micro-batch, "
+    "running statistics and a spectral_norm's power iteration move once per "
+    "micro-batch, so the model trains differently from whole batches"
 )
 """The note of a plan that micro-batches a batch-dependent model (``memory.batch``'s
 ``batch_dependent_layer``)."""

@@ -98,9 +98,12 @@ def test_every_class_is_known() -> None:
     assert len(zoo) >= 45, zoo  # torch 2.13: 48 classes with parameters
 
 
-def _train(case: Z.Case, planned: memory.TrainingPlan | None) -> tuple[list, list]:
-    """Losses of STEPS steps and each step's gradients before its update: plainly
-    (torch and ``memory.step.make_optimizer``'s AdamW) or under ``planned``."""
+def _train(
+    case: Z.Case, planned: memory.TrainingPlan | None
+) -> tuple[list, list, dict]:
+    """Losses of STEPS steps, each step's gradients before its update and the
+    buffers after the last (running statistics): plainly (torch and
+    ``memory.step.make_optimizer``'s AdamW) or under ``planned``."""
     losses, grads = [], []
     if planned is None:
         model = case.model
@@ -121,7 +124,7 @@ def _train(case: Z.Case, planned: memory.TrainingPlan | None) -> tuple[list, lis
             torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.clip_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return losses, grads
+        return losses, grads, _buffers(model)
     with planned.trainer(settings=SETTINGS) as tr:
         for s in range(STEPS):
             torch.manual_seed(100 + s)
@@ -129,7 +132,11 @@ def _train(case: Z.Case, planned: memory.TrainingPlan | None) -> tuple[list, lis
             grads.append({n: g.clone() for n, g in tr.gradients().items()})
             tr._calls += 1  # the update step() would run (no public update alone)
             tr._update()
-    return losses, grads
+    return losses, grads, _buffers(case.model)
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
 @functools.cache
@@ -137,7 +144,7 @@ def _plain(name: str) -> tuple[list, list]:
     return _train(Z.build(name), None)
 
 
-def _differences(ref: tuple[list, list], got: tuple[list, list]) -> list[str]:
+def _differences(ref: tuple, got: tuple) -> list[str]:
     out = []
     for s, (a, b) in enumerate(zip(ref[0], got[0])):
         if abs(a - b) > RTOL * abs(a):
@@ -155,6 +162,16 @@ def _differences(ref: tuple[list, list], got: tuple[list, list]) -> list[str]:
             elif float(torch.linalg.vector_norm(diff)) > RTOL * norm:
                 rel = float(torch.linalg.vector_norm(diff)) / norm
                 out.append(f"step {s} {k}: relative {rel:.2e}")
+    for k, b in ref[2].items():  # BatchNorm's statistics move as plainly
+        have = got[2][k]
+        if b.is_floating_point():
+            bad = float((have.double() - b.double()).norm()) > RTOL * float(
+                b.double().norm()
+            )
+        else:
+            bad = not torch.equal(have, b)
+        if bad:
+            out.append(f"buffer {k} after {STEPS} steps")
     return out
 
 
@@ -277,7 +294,7 @@ def test_dropout_without_microbatches_is_plain(kind: str) -> None:
         planned = dataclasses.replace(planned, plan=plans[kind])
     else:
         assert not planned.plan.is_plain
-    losses, grads = _train(case, planned)
+    losses, grads, _ = _train(case, planned)
     assert losses == ref[0]
     for want, have in zip(ref[1], grads):
         assert want.keys() == have.keys()
@@ -329,7 +346,7 @@ def test_batchnorm_is_never_microbatched_silently() -> None:
         (x,) = c.inputs
         c.inputs = (x * torch.linspace(0.1, 4.0, len(x)).view(-1, 1, 1),)
     ref = _train(plain, None)
-    losses, _ = _train(case, forced)  # allowed: trains, differently by design
+    losses, _, _ = _train(case, forced)  # allowed: trains, differently by design
     assert abs(losses[0] - ref[0][0]) > 1e-3 * abs(ref[0][0])
 
     by_hand = dataclasses.replace(
