@@ -28,6 +28,7 @@ from torch import nn
 import memory
 from memory.api import DROPOUT_NOTE
 from memory.errors import BudgetError, MemoryPlanError
+from memory.materialize import build_without_weights
 from memory.plan import BATCH_DEPENDENT_NOTE
 from memory.spec import BlockPlan, MemoryPlan
 from memory.step import make_optimizer
@@ -379,3 +380,17 @@ def test_spectral_norm_is_batch_dependent() -> None:
     )
     with pytest.raises(MemoryPlanError, match="spectral_norm at 'layers.0.lin"):
         by_hand.trainer(settings=SETTINGS)
+
+
+@pytest.mark.parametrize("name", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_models_build_without_weights(name: str) -> None:
+    """A measured child builds the model without its weights
+    (``memory.materialize.build_without_weights``); orthogonal reads its weight at
+    registration, so it is built for real, with the weights a plain build gives."""
+    model, hollow = build_without_weights(lambda: Z.build(name).model)
+    assert hollow == (name != "orthogonal")
+    if not hollow:
+        want = Z.build(name).model.state_dict()
+        got = model.state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
