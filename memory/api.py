@@ -16,6 +16,7 @@ with the smallest peak); ``TrainingPlan.trainer`` applies it (``PlannedTrainer``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,27 @@ class TrainingPlan:
         )
 
 
+DROPOUT_NOTE = (
+    "dropout with micro-batches: each micro-batch draws its own masks, not the whole "
+    "batch's, so losses and gradients differ from plain training's by that draw (the "
+    "same in distribution); a plan without micro-batches replays plain's masks"
+)
+"""The note of a plan that micro-batches a model with active dropout."""
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """True when some module in training mode drops activations: a dropout layer
+    with ``p > 0``, or a ``MultiheadAttention`` with attention dropout."""
+    for m in model.modules():
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, nn.MultiheadAttention) and m.dropout > 0:
+            return True
+    return False
+
+
 def plan_training(
     model: nn.Module,
     inputs: Any,
@@ -87,6 +109,10 @@ def plan_training(
         plan_kwargs: ``disk_budget_bytes``, ``offload_dir``, ``allow_microbatching``,
             ``max_microbatches`` (``memory.plan.plan_memory``).
 
+    The plan's notes state where it trains differently from plain training by
+    design: micro-batches on a model with batch-dependent layers (only with
+    ``allow_microbatching=True``) or with dropout (other masks are drawn).
+
     Raises:
         BudgetError: no plan fits; it names the smallest budget that would.
         MemoryPlanError: the model or batch cannot be planned (one line, the reason).
@@ -106,6 +132,8 @@ def plan_training(
         model, inputs, targets, loss_fn, runtime_bytes=runtime_bytes, units=units
     )
     plan, profile = plan_units(profiles, budget_bytes, **plan_kwargs)
+    if plan.num_microbatches > 1 and has_dropout(model):
+        plan = dataclasses.replace(plan, notes=(*plan.notes, DROPOUT_NOTE))
     plain = predict(profiles[1], MemoryPlan.plain([u.name for u in units]))
     return TrainingPlan(
         model=model,

@@ -211,6 +211,49 @@ def split_batch(
     return [_cut(inputs, targets, n, layout, piece(j)) for j in range(parts)]
 
 
+def batch_dependent_layer(
+    model: nn.Module, *, training_only: bool = False
+) -> str | None:
+    """The first layer whose step depends on the whole batch, or on how many forwards
+    a step runs, in words (``"BatchNorm2d 'layers.0' normalises over the batch"``);
+    None without one.
+
+    Micro-batches change what these layers compute, so a plan with micro-batches
+    trains a different model than whole batches do:
+
+    - ``BatchNorm`` (any, ``SyncBatchNorm`` and the lazy ones included): it normalises
+      with the statistics of the batch it sees, a micro-batch's;
+    - ``InstanceNorm`` with ``track_running_stats``: its running statistics move once
+      per forward, so once per micro-batch;
+    - ``spectral_norm`` (the parametrization or the older hook): each forward in
+      training mode advances its power iteration, once per micro-batch, and the next
+      forward reads the result.
+
+    ``training_only``: only layers in training mode count (in eval mode they read
+    fixed statistics and iterate nothing).
+    """
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for name, m in model.named_modules():
+        if training_only and not m.training:
+            continue
+        what = type(m).__name__
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return f"{what} {name!r} normalises over the batch"
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and (
+            m.track_running_stats
+        ):
+            return f"{what} {name!r} updates its running statistics every forward"
+        if isinstance(m, _SpectralNorm) or any(
+            isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()
+        ):
+            return (
+                f"spectral_norm at {name!r} advances its power iteration every forward"
+            )
+    return None
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """A transformers causal LM: its loss shifts the labels by one token."""
     loss_type = getattr(model, "loss_type", None)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from memory.batch import batch_dependent_layer
 from memory.blocks import Block
 from memory.profile import BlockCosts
 
@@ -287,5 +288,7 @@ def block_state(blocks: list[Block], optimizer: str) -> list[BlockState]:
 
 
 def is_batch_dependent(model: nn.Module) -> bool:
-    """True when some layer normalises over the batch (BatchNorm and its kin)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    """True when some layer's step depends on the whole batch or on the number of
+    forwards (BatchNorm and its kin, spectral_norm: ``memory.batch``'s
+    ``batch_dependent_layer``): micro-batches would change what it computes."""
+    return batch_dependent_layer(model) is not None

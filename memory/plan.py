@@ -636,8 +636,22 @@ def _groups(
     return list(by_key.values())
 
 
+BATCH_DEPENDENT_NOTE = (
+    "micro-batches on a model with batch-dependent layers (allowed by "
+    "allow_microbatching=True): BatchNorm statistics are taken per micro-batch, "
+    "running statistics and a spectral_norm's power iteration move once per "
+    "micro-batch, so the model trains differently from whole batches"
+)
+"""The note of a plan that micro-batches a batch-dependent model (``memory.batch``'s
+``batch_dependent_layer``)."""
+
+
 def _as_memory_plan(
-    model: CostModel, choices: Sequence[str], budget: int | None, disk_budget: int
+    model: CostModel,
+    choices: Sequence[str],
+    budget: int | None,
+    disk_budget: int,
+    batch_dependent: bool = False,
 ) -> MemoryPlan:
     pred = predict_choices(model, choices)
     blocks = tuple(
@@ -650,6 +664,9 @@ def _as_memory_plan(
         notes.append("disk bandwidth not measured: assumed 200 MB/s")
     if model.profile.loss_chunk_refusal:
         notes.append(f"no loss chunks: {model.profile.loss_chunk_refusal}")
+    dependent = (batch_dependent or model.profile.batch_dependent) and model.m > 1
+    if dependent:
+        notes.append(BATCH_DEPENDENT_NOTE)
     return MemoryPlan(
         blocks=blocks,
         num_microbatches=model.m,
@@ -660,6 +677,7 @@ def _as_memory_plan(
         predicted_step_s=pred.step_s,
         predicted_disk_bytes=pred.disk_bytes,
         notes=tuple(notes),
+        batch_dependent_microbatches=dependent,
     )
 
 
@@ -747,7 +765,7 @@ def plan_memory(
         assert budget_bytes is not None
         raise _budget_error(profile, budget_bytes, disk, mb, max_microbatches)
     model, choices, _raw, _t = best
-    return _as_memory_plan(model, choices, budget_bytes, disk)
+    return _as_memory_plan(model, choices, budget_bytes, disk, batch_dependent)
 
 
 def _budget_error(

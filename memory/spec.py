@@ -52,6 +52,13 @@ class MemoryPlan:
         predicted_peak_bytes: predicted peak memory of the run above the import baseline.
         predicted_step_s: predicted time of one step, seconds.
         predicted_disk_bytes: bytes the plan keeps on disk.
+        notes: what the planner found worth saying (the peak's event, assumptions,
+            refusals, differences from plain training).
+        batch_dependent_microbatches: the plan micro-batches a model with
+            batch-dependent layers knowingly (planned with ``allow_microbatching=True``):
+            their statistics are taken per micro-batch, so it trains a different model
+            than whole batches would. ``PlannedTrainer`` refuses micro-batches on such
+            a model (in training mode) without it.
     """
 
     blocks: tuple[BlockPlan, ...]
@@ -63,6 +70,7 @@ class MemoryPlan:
     predicted_step_s: float = 0.0
     predicted_disk_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
+    batch_dependent_microbatches: bool = False
 
     @property
     def is_plain(self) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 
 from memory.apply import AppliedPlan
 from memory.batch import (
+    batch_dependent_layer,
     batch_layout,
     batch_size_of,
     count_items,
@@ -160,6 +161,7 @@ class PlannedTrainer:
                 f"but the plan has {plan.num_microbatches} micro-batches; plan with "
                 "num_microbatches=1"
             )
+        self._refuse_batch_dependent(model, plan, plan.num_microbatches)
         ProximalTerm.refuse(  # before any file is opened
             (settings or TrainSettings()).proximal_mu,
             (b.name for b in plan.blocks if b.state == "stream"),
@@ -292,6 +294,8 @@ class PlannedTrainer:
         """Forward and backward of one batch under the plan, gradients added to
         ``.grad`` (scaled by 1 / accumulate_steps); no update. Returns its loss."""
         m = num_microbatches or self.plan.num_microbatches
+        if m > 1:
+            self._refuse_batch_dependent(self.model, self.plan, m)
         parts = split_batch(inputs, targets, m, self.layout)
         if m > 1:
             counts = [self.count_fn(x, y) for x, y in parts]
@@ -326,6 +330,23 @@ class PlannedTrainer:
         finally:
             self.applied.end_step()
         return loss_value
+
+    @staticmethod
+    def _refuse_batch_dependent(model: nn.Module, plan: MemoryPlan, m: int) -> None:
+        """Micro-batches change what a batch-dependent layer in training mode
+        computes (``memory.batch.batch_dependent_layer``): refused unless the plan
+        was made knowing it (``batch_dependent_microbatches``)."""
+        if m <= 1 or plan.batch_dependent_microbatches:
+            return
+        layer = batch_dependent_layer(model, training_only=True)
+        if layer is not None:
+            raise MemoryPlanError(
+                f"{layer}, but the step would cut the batch into {m} micro-batches, "
+                "each with statistics of its own: a different model than plain "
+                "training's; plan with num_microbatches=1 (what plan_training chooses "
+                "for such a model), or plan with allow_microbatching=True to accept "
+                "the difference"
+            )
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated so far, by parameter name (copies for streamed

@@ -10,7 +10,9 @@ Tiers (README, "Tests"):
   once.
 
 ``--tier default|child|heavy|all`` selects one; without it a bare ``pytest`` runs the
-default tier and a command line that names files or tests runs all of theirs.
+default tier and a command line that names files or tests runs all of theirs. Tests
+marked ``zoo`` (the architecture zoos: minutes, not in CI) run only where ``-m``
+names the marker (``-m zoo``), in any tier.
 
 Enforced while a test runs: a default-tier test that starts a process, or a child-tier
 test that starts one while another it started is still running, or one that runs a
@@ -115,8 +117,13 @@ def pytest_collection_modifyitems(
 ) -> None:
     tier = _selected_tier(config)
     xdist = config.pluginmanager.hasplugin("xdist")
+    # the zoos (``zoo``: minutes, not in CI) run only where ``-m`` names them
+    zoos = "zoo" in (config.getoption("markexpr", "") or "")
     keep, drop = [], []
     for item in items:
+        if item.get_closest_marker("zoo") and not zoos:
+            drop.append(item)
+            continue
         t = tier_of(item)
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[t]))
