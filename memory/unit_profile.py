@@ -22,6 +22,7 @@ rate (not calibrated against a measured step).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import mmap
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
 from memory.batch import (
     batch_layout,
@@ -54,8 +54,14 @@ from memory.errors import MemoryPlanError
 from memory.head import ChunkedHead, vocab_block_bytes
 from memory.probes import measure_flops_per_s
 from memory.profile import BlockCosts, BlockProfile, Profile
+from memory.real_profile import (
+    MISPRICED_OPS,
+    RealCosts,
+    RealUnits,
+    op_flops,
+)
 from memory.streaming import parameter_owners, row_lookups
-from memory.units import call_model, find_units, no_kv_cache
+from memory.units import call_model, find_units, no_kv_cache, quiet_fake_errors
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +79,26 @@ class _Tracker(LiveBytes):
         super().__init__()
         self.owner = GLUE
         self.flops = [0] * n
+        self.mispriced: set[int] = set()  # units that ran an op of MISPRICED_OPS
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in flop_registry and self.owner >= 0:
-            try:
-                self.flops[self.owner] += int(
-                    flop_registry[packet](*args, **kwargs, out_val=out)
-                )
-            except Exception:  # a formula that does not take these arguments
-                pass
+        if self.owner >= 0:
+            self.flops[self.owner] += op_flops(func, args, kwargs, out)
+            if func in MISPRICED_OPS:
+                self.mispriced.add(self.owner)
         self.track_outputs(out)
         return out
+
+
+class _UnitFailed(Exception):
+    """The fake trace failed in unit ``unit`` (GLUE: outside every unit)."""
+
+    def __init__(self, unit: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.unit = unit
+        self.error = error
 
 
 class _Trace:
@@ -113,6 +125,13 @@ class _Trace:
         self.claimed: set[Any] = set()
         self.node_owner: dict[Any, int] = {}
         self.no_grad_peak = [0] * n
+        self.in_backward = False
+
+    def failing_unit(self) -> int:
+        """The unit whose forward or backward runs now (GLUE: none)."""
+        if self.in_backward:
+            return self.tracker.owner
+        return self.current if self.inside else GLUE
 
     # ---------------------------------------------------------------- forward
     def _claim(self, tensors: list[torch.Tensor], owner: int) -> None:
@@ -211,7 +230,7 @@ def _run_trace(
         hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(u.module.register_forward_hook(post, with_kwargs=True))
     try:
-        with tr.tracker:
+        with tr.tracker, quiet_fake_errors():
             # without autograd first: the forward peak of a recomputed or streamed unit
             with torch.no_grad():
                 _loss(model, inputs, targets, loss_fn, head)
@@ -234,13 +253,19 @@ def _run_trace(
             tr.tracker.flops = [0] * tr.n
             handles = [n.register_prehook(_prehook(tr, n)) for n in tr.node_owner]
             tr.tracker.owner = GLUE
+            tr.in_backward = True
             loss.backward()
+            tr.in_backward = False
             if head is not None:
                 head.clear()
             tr.finish_backward()
             for h in handles:
                 h.remove()
             del loss
+    except MemoryPlanError:
+        raise
+    except Exception as e:  # fake tensors cannot run it: which unit?
+        raise _UnitFailed(tr.failing_unit(), e) from e
     finally:
         for h in hooks:
             h.remove()
@@ -423,39 +448,54 @@ def profile_units(
     states = block_state(fake_units, optimizer)
     rows = _RowParams(fake_units, head)
     exclude = {storage_key(t) for t in (*fake.parameters(), *fake.buffers())}
-    costs_by_m: dict[int, list[BlockCosts]] = {}
-    base_extra = 0
-    glue_of: list[int] = []
-    with mode:
-        fx = map_tensors(inputs, mode.from_tensor)
-        fy = map_tensors(targets, mode.from_tensor)
-        for m in [
-            d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
-        ]:
-            x, y = split_batch(fx, fy, m, layout)[0]
-            batch_keys = {storage_key(t) for t in tensors_of((x, y))}
-            counting = rows.hooks()
-            try:
-                tr = _run_trace(
-                    fake, fake_units, x, y, loss_fn, exclude | batch_keys, head
+    sizes = [
+        batch // d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
+    ]
+    real: set[int] = set()  # units profiled on real tensors (memory.real_profile)
+    for _ in range(len(units) + 1):
+        fallback = (
+            RealUnits(model, units, real, inputs, targets, layout, batch, sizes)
+            if real
+            else None
+        )
+        try:
+            costs_by_m, glue_of, base_extra, mispriced = _trace_all(
+                mode,
+                fake,
+                fake_units,
+                inputs,
+                targets,
+                loss_fn,
+                layout,
+                batch,
+                sizes,
+                exclude,
+                head,
+                rows,
+                fallback,
+            )
+        except _UnitFailed as e:
+            if e.unit < 0 or e.unit in real:
+                where = (
+                    "outside every unit" if e.unit < 0 else f"in {units[e.unit].name}"
                 )
-            finally:
-                for h in counting:
-                    h.remove()
-            seen: dict[int, int] = {}
-            shared: set[int] = set()
-            for k in range(tr.n):
-                for s in tr.inputs[k]:
-                    if s in seen and seen[s] != k:
-                        shared.add(s)
-                    seen.setdefault(s, k)
-            costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(_costs(tr, shared))]
-            if m == 1:
-                glue_of = [sum(g.values()) for g in tr.glue_saved]
-                sizes = {s: b for k in range(tr.n) for s, b in tr.inputs[k].items()}
-                base_extra = sum(sizes[s] for s in shared)
-            for p in fake.parameters():
-                p.grad = None
+                first = (
+                    str(e.error).strip().splitlines()[0] if str(e.error).strip() else ""
+                )
+                raise MemoryPlanError(
+                    f"{type(model).__name__} cannot be profiled: "
+                    f"{type(e.error).__name__} {where} on fake tensors"
+                    f"{' (' + first[:160] + ')' if first else ''}"
+                ) from e.error
+            real.add(e.unit)
+            logger.info("profiling %s on real tensors: %s", units[e.unit].name, e.error)
+            continue
+        if mispriced - real:
+            real |= mispriced
+            continue
+        break
+    else:  # every unit real, and still a unit left to add: cannot happen
+        raise MemoryPlanError(f"{type(model).__name__} cannot be profiled")
     rate = measure_flops_per_s()
     blocks = []
     for k, st in enumerate(states):
@@ -494,6 +534,100 @@ def profile_units(
         optimizer=optimizer,
         flops_per_s=rate,
         time_source="flops",
+    )
+
+
+def _trace_all(
+    mode: Any,
+    fake: nn.Module,
+    fake_units: Sequence[Block],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable | None,
+    layout: Any,
+    batch: int,
+    sizes: Sequence[int],
+    exclude: set[int],
+    head: ChunkedHead | None,
+    rows: _RowParams,
+    fallback: RealUnits | None,
+) -> tuple[dict[int, list[BlockCosts]], list[int], int, set[int]]:
+    """The fake trace at each micro-batch size: costs by micro-batch count, the
+    bytes each unit's glue saves, the inputs several units share (bytes) and the
+    units that ran an op fake tensors misprice. Units of ``fallback`` run as
+    stand-ins, their costs measured on real tensors."""
+    costs_by_m: dict[int, list[BlockCosts]] = {}
+    base_extra = 0
+    glue_of: list[int] = []
+    mispriced: set[int] = set()
+    items = [batch]
+    stand = (
+        fallback.standing_in(fake_units, lambda: items[0])
+        if fallback is not None
+        else contextlib.nullcontext()
+    )
+    with mode, stand:
+        fx = map_tensors(inputs, mode.from_tensor)
+        fy = map_tensors(targets, mode.from_tensor)
+        try:
+            for n in sizes:
+                m = batch // n
+                items[0] = n
+                x, y = split_batch(fx, fy, m, layout)[0]
+                batch_keys = {storage_key(t) for t in tensors_of((x, y))}
+                counting = rows.hooks()
+                try:
+                    tr = _run_trace(
+                        fake, fake_units, x, y, loss_fn, exclude | batch_keys, head
+                    )
+                finally:
+                    for h in counting:
+                        h.remove()
+                mispriced |= tr.tracker.mispriced
+                seen: dict[int, int] = {}
+                shared: set[int] = set()
+                for k in range(tr.n):
+                    for s in tr.inputs[k]:
+                        if s in seen and seen[s] != k:
+                            shared.add(s)
+                        seen.setdefault(s, k)
+                costs = _costs(tr, shared)
+                if fallback is not None:
+                    for k in fallback.indices:
+                        if k in fallback.calls:
+                            costs[k] = _with_real(
+                                costs[k], fallback.costs(k, n, fallback.calls[k])
+                            )
+                costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(costs)]
+                if m == 1:
+                    glue_of = [sum(g.values()) for g in tr.glue_saved]
+                    sizes_of = {
+                        s: b for k in range(tr.n) for s, b in tr.inputs[k].items()
+                    }
+                    base_extra = sum(sizes_of[s] for s in shared)
+        finally:
+            for p in fake.parameters():
+                p.grad = None
+            if head is not None:
+                head.clear()
+    return costs_by_m, glue_of, base_extra, mispriced
+
+
+def _with_real(c: BlockCosts, r: RealCosts) -> BlockCosts:
+    """A stand-in's traced costs (its inputs, outputs and glue) with what the real
+    unit measured (what it saves, its peaks, its FLOPs)."""
+    return replace(
+        c,
+        saved_bytes=c.saved_bytes + r.saved_bytes,
+        saves_input=c.saves_input or r.saves_input,
+        saves_output=c.saves_output or r.saves_output,
+        forward_peak_bytes=max(c.forward_peak_bytes, r.forward_peak_bytes),
+        forward_no_grad_peak_bytes=max(
+            c.forward_no_grad_peak_bytes, r.forward_no_grad_peak_bytes
+        ),
+        backward_peak_bytes=max(c.backward_peak_bytes, r.backward_peak_bytes),
+        forward_flops=c.forward_flops + r.forward_flops,
+        backward_flops=c.backward_flops + r.backward_flops,
     )
 
 
