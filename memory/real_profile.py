@@ -328,6 +328,7 @@ class RealUnits:
             ]
             del out, leaves
             counter.reset()
+            counter.flops = 0
             level = counter.live
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(*args, **kwargs)
