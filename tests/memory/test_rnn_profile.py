@@ -25,26 +25,33 @@ V, D, LAYERS = 4096, 256, 2
 class LstmLM(nn.Module):
     """Embedding, a 2-layer LSTM, a linear head: a user's language model."""
 
-    def __init__(self, cell: type[nn.Module] = nn.LSTM) -> None:
+    def __init__(
+        self, cell: type[nn.Module] = nn.LSTM, vocab: int = V, width: int = D
+    ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.rnn = cell(D, D, num_layers=LAYERS, batch_first=True)
-        self.head = nn.Linear(D, V)
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = cell(width, width, num_layers=LAYERS, batch_first=True)
+        self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(self.embed(ids))[0])
 
 
 def cross_entropy(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, V), targets.reshape(-1))
+    return nn.functional.cross_entropy(
+        out.reshape(-1, out.shape[-1]), targets.reshape(-1)
+    )
 
 
-def lstm_lm(batch: int = 4, tokens: int = 512, seed: int = 0) -> tuple:
+def lstm_lm(
+    batch: int = 1, tokens: int = 2048, vocab: int = V, width: int = D, seed: int = 0
+) -> tuple:
     """A ``module:function`` workload: the model, ``(ids, targets)``, the loss."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, V, (batch, tokens + 1), generator=g)
-    return LstmLM().train(), (ids[:, :-1], ids[:, 1:]), cross_entropy
+    ids = torch.randint(0, vocab, (batch, tokens + 1), generator=g)
+    model = LstmLM(vocab=vocab, width=width).train()
+    return model, (ids[:, :-1], ids[:, 1:]), cross_entropy
 
 
 def _real_saved(rnn: nn.Module, x: torch.Tensor) -> int:
@@ -117,28 +124,38 @@ def test_other_recurrent_layers_run_as_their_fake_trace(cell) -> None:
     assert costs.saved_bytes == real, (costs.saved_bytes, real)
 
 
+MEASURED = dict(batch=1, tokens=2048, vocab=512, width=512)
+
+
 @pytest.mark.child
 def test_the_smallest_plan_of_an_lstm_lm_is_not_under_predicted() -> None:
-    """A 2-layer LSTM over 2,048 tokens (4 x 512): the smallest plan's predicted
-    peak is at least the peak a child measures running it (before the fallback it
-    was under, and the guard stopped such plans 0.3-1.6% over their budgets)."""
+    """A 2-layer LSTM of width 512 over 2,048 tokens (one sequence): the smallest
+    plan's predicted peak is at least the peak a child measures running it. On fake
+    tensors alone it predicted 86.3 MiB for a measured 166.5 (the workspace, recomputed
+    in backward, unseen); with the real-tensor profile 218.7 MiB. The over-prediction
+    is oneDNN's: the workspace is allocated whole (126 MiB saved for backward) but
+    about half of its pages are ever written (an LSTM of this size saves 150.1 MiB and
+    grows the RSS by 70.8), and a budget must hold the allocation."""
     from memory.api import plan_training
     from memory.measure import measure_in_child
     from memory.overhead import workload_runtime_bytes
     from memory.sizes import format_bytes
 
     factory = "tests.memory.test_rnn_profile:lstm_lm"
-    runtime = workload_runtime_bytes(factory, {})
-    model, (x, y), loss_fn = lstm_lm()
+    runtime = workload_runtime_bytes(factory, MEASURED)
+    model, (x, y), loss_fn = lstm_lm(**MEASURED)
     planned = plan_training(
         model, x, y, loss_fn, runtime_bytes=runtime, disk_budget_bytes=2**31
     )
     plan = planned.plan
     run = measure_in_child(
         "memory.step:train_measured",
-        dict(factory=factory, factory_kwargs={}, plan=plan.to_dict(), steps=2),
+        dict(factory=factory, factory_kwargs=MEASURED, plan=plan.to_dict(), steps=2),
         preload=("tests.memory.test_rnn_profile",),
-        warmup=("memory.step:warm_up", {"factory": factory, "factory_kwargs": {}}),
+        warmup=(
+            "memory.step:warm_up",
+            {"factory": factory, "factory_kwargs": MEASURED},
+        ),
         timeout_s=300,
     )
     msg = (
@@ -148,4 +165,4 @@ def test_the_smallest_plan_of_an_lstm_lm_is_not_under_predicted() -> None:
     )
     print(msg)
     assert plan.predicted_peak_bytes >= run.peak_bytes, msg
-    assert plan.predicted_peak_bytes <= 1.25 * run.peak_bytes, msg
+    assert plan.predicted_peak_bytes <= 1.5 * run.peak_bytes, msg
