@@ -104,10 +104,29 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return 0
 
 
+def _worst_indices(idx: torch.Tensor, dim: int, experts: int) -> torch.Tensor:
+    """Indices of the worst routing, shaped as ``idx`` (``k`` choices per token along
+    ``dim``, of ``experts``): every token's choices are the first ``k`` experts, but
+    for the first tokens, which take one each of the others, so that every expert
+    runs (its fixed costs) and the first ``k`` take nearly all tokens (their
+    transients)."""
+    moved = idx.movedim(dim, -1) if idx.dim() else idx.reshape(1)
+    k = moved.shape[-1] if idx.dim() else 1
+    rows = torch.arange(k, device=idx.device, dtype=idx.dtype).expand(
+        *moved.shape[:-1], k
+    )
+    flat = rows.reshape(-1).clone()
+    others = torch.arange(k, experts, device=idx.device, dtype=idx.dtype)
+    n = min(others.numel(), flat.numel())
+    flat[:n] = others[:n]
+    out = flat.reshape(*moved.shape[:-1], k)
+    return out.movedim(-1, dim).contiguous() if idx.dim() else out.reshape(())
+
+
 class WorstRouting(TorchDispatchMode):
-    """Every ``topk`` picks the first ``k`` indices and every ``argmax`` (and
-    ``max`` along a dimension) the first: a router sends all tokens to the same
-    experts. The values are left as computed."""
+    """Every ``topk`` (and ``argmax``, ``max`` along a dimension) picks the worst
+    routing (``_worst_indices``): a few tokens go to each expert beyond the first
+    ``k``, all others to the first ``k``. The values are left as computed."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -116,17 +135,20 @@ class WorstRouting(TorchDispatchMode):
             values, idx = out
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             dim = dim % max(idx.dim(), 1)
-            k = idx.shape[dim] if idx.dim() else 1
-            shape = [1] * idx.dim()
-            if idx.dim():
-                shape[dim] = k
-            first = torch.arange(k, device=idx.device, dtype=idx.dtype).view(shape)
-            return values, first.expand_as(idx).contiguous()
-        if func is aten.argmax.default:
-            return torch.zeros_like(out)
-        if func is aten.max.dim:
-            values, idx = out
-            return values, torch.zeros_like(idx)
+            experts = args[0].shape[dim] if args[0].dim() else 1
+            return values, _worst_indices(idx, dim, experts)
+        if func in (aten.argmax.default, aten.max.dim):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim is None or args[0].dim() == 0:
+                return out
+            dim = dim % args[0].dim()
+            experts = args[0].shape[dim]
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            idx = out if func is aten.argmax.default else out[1]
+            shaped = idx if keep else idx.unsqueeze(dim)
+            worst = _worst_indices(shaped, dim, experts)
+            worst = worst if keep else worst.squeeze(dim)
+            return worst if func is aten.argmax.default else (out[0], worst)
         return out
 
 
@@ -153,6 +175,7 @@ class RealCosts:
     saved_bytes: int  # saved for backward: neither an input nor an output
     saves_input: bool
     saves_output: bool
+    saved_io_bytes: int  # saved for backward: its inputs and outputs
     forward_peak_bytes: int
     forward_no_grad_peak_bytes: int
     backward_peak_bytes: int
@@ -162,6 +185,7 @@ class RealCosts:
 
 _GROWING = (
     "saved_bytes",
+    "saved_io_bytes",
     "forward_peak_bytes",
     "forward_no_grad_peak_bytes",
     "backward_peak_bytes",
@@ -209,13 +233,12 @@ def _clone(tree: Any, grad_mask: Sequence[bool] | None = None) -> Any:
 
 
 class RealUnits:
-    """The units of one model profiled on real tensors, and their stand-ins in a
-    fake trace.
+    """Modules of one model profiled on real tensors (units, or the submodules of
+    units where fake tensors failed), and their stand-ins in a fake trace.
 
     Args:
         model: the real model (its parameters real: not ``meta``, not fake).
-        units: its units (``memory.blocks.Block``, real modules).
-        indices: which of them to profile on real tensors.
+        units: the modules to profile (``memory.blocks.Block``, real modules).
         inputs, targets, layout, batch: the batch as ``profile_units`` has it.
         sizes: micro-batch sizes (items) the profile will ask for.
     """
@@ -224,7 +247,6 @@ class RealUnits:
         self,
         model: nn.Module,
         units: Sequence[Block],
-        indices: set[int],
         inputs: Any,
         targets: Any,
         layout: Layout,
@@ -233,12 +255,12 @@ class RealUnits:
     ) -> None:
         self.model = model
         self.units = list(units)
-        self.indices = set(indices)
+        self.indices = set(range(len(self.units)))
         for p in model.parameters():
             if p.is_meta or type(p.data).__name__ == "FakeTensor":
                 names = ", ".join(self.units[k].name for k in sorted(self.indices))
                 raise MemoryPlanError(
-                    f"units {names} run only on real tensors (fake tensors cannot "
+                    f"{names} run only on real tensors (fake tensors cannot "
                     "profile them), but the model's parameters are not real; build "
                     "it with its weights to plan it"
                 )
@@ -277,7 +299,8 @@ class RealUnits:
             for k in self.indices
         ]
         try:
-            with _untouched(self.model), torch.no_grad():
+            # routers before a module decide its inputs: route them the worst way
+            with _untouched(self.model), torch.no_grad(), WorstRouting():
                 call_model(self.model, x)
         except _Done:
             pass
@@ -288,7 +311,7 @@ class RealUnits:
         if missing:
             names = ", ".join(self.units[k].name for k in sorted(missing))
             raise MemoryPlanError(
-                f"units {names} are not called on one item of the batch; they cannot "
+                f"{names} are not called on one item of the batch; they cannot "
                 "be profiled on real tensors"
             )
         return got
@@ -357,6 +380,9 @@ class RealUnits:
             ),
             saves_input=any(key in saved for key in in_keys),
             saves_output=any(key in saved for key in out_keys),
+            saved_io_bytes=sum(
+                b for key, b in saved.items() if key in in_keys or key in out_keys
+            ),
             forward_peak_bytes=fwd_peak,
             forward_no_grad_peak_bytes=ng_peak,
             backward_peak_bytes=bwd_peak,
@@ -413,7 +439,7 @@ class RealUnits:
     @contextlib.contextmanager
     def standing_in(
         self, fake_units: Sequence[Block], items: Callable[[], int]
-    ) -> Iterator[None]:
+    ) -> Iterator[None]:  # fake_units: the fake copies of ``units``
         """The fake units ``indices`` replaced by stand-ins while in the context:
         fake outputs of the real unit's shapes at ``items()`` items, connected to
         the fake inputs and parameters for autograd (their backward returns fake

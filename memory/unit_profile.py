@@ -79,7 +79,8 @@ class _Tracker(LiveBytes):
         super().__init__()
         self.owner = GLUE
         self.flops = [0] * n
-        self.mispriced: set[int] = set()  # units that ran an op of MISPRICED_OPS
+        self.mispriced: set[tuple[int, int]] = set()  # (unit, innermost module id)
+        self.stack: list[nn.Module] = []  # modules whose forward runs, innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -87,17 +88,20 @@ class _Tracker(LiveBytes):
         if self.owner >= 0:
             self.flops[self.owner] += op_flops(func, args, kwargs, out)
             if func in MISPRICED_OPS:
-                self.mispriced.add(self.owner)
+                inner = id(self.stack[-1]) if self.stack else 0
+                self.mispriced.add((self.owner, inner))
         self.track_outputs(out)
         return out
 
 
 class _UnitFailed(Exception):
-    """The fake trace failed in unit ``unit`` (GLUE: outside every unit)."""
+    """The fake trace failed in unit ``unit`` (GLUE: outside every unit), in its
+    module ``inner`` (``id``; 0: not known, as in backward)."""
 
-    def __init__(self, unit: int, error: BaseException) -> None:
+    def __init__(self, unit: int, inner: int, error: BaseException) -> None:
         super().__init__(str(error))
         self.unit = unit
+        self.inner = inner
         self.error = error
 
 
@@ -229,6 +233,17 @@ def _run_trace(
 
         hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(u.module.register_forward_hook(post, with_kwargs=True))
+    stack = tr.tracker.stack
+
+    def enter(m: nn.Module, _a: Any) -> None:
+        stack.append(m)
+
+    def leave(m: nn.Module, _a: Any, _o: Any) -> None:
+        if stack and stack[-1] is m:
+            stack.pop()
+
+    hooks.append(nn.modules.module.register_module_forward_pre_hook(enter))
+    hooks.append(nn.modules.module.register_module_forward_hook(leave))
     try:
         with tr.tracker, quiet_fake_errors():
             # without autograd first: the forward peak of a recomputed or streamed unit
@@ -264,8 +279,10 @@ def _run_trace(
             del loss
     except MemoryPlanError:
         raise
-    except Exception as e:  # fake tensors cannot run it: which unit?
-        raise _UnitFailed(tr.failing_unit(), e) from e
+    except Exception as e:  # fake tensors cannot run it: which unit, which module?
+        stack = tr.tracker.stack
+        inner = 0 if tr.in_backward or not stack else id(stack[-1])
+        raise _UnitFailed(tr.failing_unit(), inner, e) from e
     finally:
         for h in hooks:
             h.remove()
@@ -451,13 +468,22 @@ def profile_units(
     sizes = [
         batch // d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
     ]
-    real: set[int] = set()  # units profiled on real tensors (memory.real_profile)
-    for _ in range(len(units) + 1):
-        fallback = (
-            RealUnits(model, units, real, inputs, targets, layout, batch, sizes)
-            if real
-            else None
-        )
+    # modules profiled on real tensors (memory.real_profile): name -> unit index
+    real: dict[str, int] = {}
+    real_mods = dict(model.named_modules(remove_duplicate=False))
+    fake_names = {id(m): n for n, m in fake.named_modules(remove_duplicate=False)}
+    for _ in range(2 * len(units) + 2):
+        fallback = None
+        if real:
+            fallback = RealUnits(
+                model,
+                [Block(n, real_mods[n]) for n in real],
+                inputs,
+                targets,
+                layout,
+                batch,
+                sizes,
+            )
         try:
             costs_by_m, glue_of, base_extra, mispriced = _trace_all(
                 mode,
@@ -473,28 +499,38 @@ def profile_units(
                 head,
                 rows,
                 fallback,
+                [Block(n, by_name[n]) for n in real],
+                list(real.values()),
             )
         except _UnitFailed as e:
-            if e.unit < 0 or e.unit in real:
+            name = _target(units, e.unit, fake_names.get(e.inner))
+            if name is None or name in real:
+                if name is not None and name != units[e.unit].name:
+                    real[units[e.unit].name] = e.unit  # the whole unit then
+                    continue
                 where = (
                     "outside every unit" if e.unit < 0 else f"in {units[e.unit].name}"
                 )
-                first = (
-                    str(e.error).strip().splitlines()[0] if str(e.error).strip() else ""
-                )
+                text = str(e.error).strip()
+                first = text.splitlines()[0][:160] if text else ""
                 raise MemoryPlanError(
                     f"{type(model).__name__} cannot be profiled: "
                     f"{type(e.error).__name__} {where} on fake tensors"
-                    f"{' (' + first[:160] + ')' if first else ''}"
+                    f"{' (' + first + ')' if first else ''}"
                 ) from e.error
-            real.add(e.unit)
-            logger.info("profiling %s on real tensors: %s", units[e.unit].name, e.error)
+            real = _add_target(real, name, e.unit, units)
+            logger.info("profiling %s on real tensors: %s", name, e.error)
             continue
-        if mispriced - real:
-            real |= mispriced
+        added = False
+        for k, inner in mispriced:
+            name = _target(units, k, fake_names.get(inner))
+            if name is not None and name not in real:
+                real = _add_target(real, name, k, units)
+                added = True
+        if added:
             continue
         break
-    else:  # every unit real, and still a unit left to add: cannot happen
+    else:  # cannot happen: each round adds a module or raises
         raise MemoryPlanError(f"{type(model).__name__} cannot be profiled")
     rate = measure_flops_per_s()
     blocks = []
@@ -551,7 +587,9 @@ def _trace_all(
     head: ChunkedHead | None,
     rows: _RowParams,
     fallback: RealUnits | None,
-) -> tuple[dict[int, list[BlockCosts]], list[int], int, set[int]]:
+    fake_targets: Sequence[Block],
+    owners: Sequence[int],
+) -> tuple[dict[int, list[BlockCosts]], list[int], int, set[tuple[int, int]]]:
     """The fake trace at each micro-batch size: costs by micro-batch count, the
     bytes each unit's glue saves, the inputs several units share (bytes) and the
     units that ran an op fake tensors misprice. Units of ``fallback`` run as
@@ -559,10 +597,10 @@ def _trace_all(
     costs_by_m: dict[int, list[BlockCosts]] = {}
     base_extra = 0
     glue_of: list[int] = []
-    mispriced: set[int] = set()
+    mispriced: set[tuple[int, int]] = set()
     items = [batch]
     stand = (
-        fallback.standing_in(fake_units, lambda: items[0])
+        fallback.standing_in(fake_targets, lambda: items[0])
         if fallback is not None
         else contextlib.nullcontext()
     )
@@ -593,10 +631,11 @@ def _trace_all(
                         seen.setdefault(s, k)
                 costs = _costs(tr, shared)
                 if fallback is not None:
-                    for k in fallback.indices:
-                        if k in fallback.calls:
+                    for j, k in enumerate(owners):
+                        if j in fallback.calls:
+                            whole = fake_targets[j].module is fake_units[k].module
                             costs[k] = _with_real(
-                                costs[k], fallback.costs(k, n, fallback.calls[k])
+                                costs[k], fallback.costs(j, n, fallback.calls[j]), whole
                             )
                 costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(costs)]
                 if m == 1:
@@ -613,19 +652,48 @@ def _trace_all(
     return costs_by_m, glue_of, base_extra, mispriced
 
 
-def _with_real(c: BlockCosts, r: RealCosts) -> BlockCosts:
-    """A stand-in's traced costs (its inputs, outputs and glue) with what the real
-    unit measured (what it saves, its peaks, its FLOPs)."""
+def _target(units: Sequence[Block], k: int, inner: str | None) -> str | None:
+    """The module to profile on real tensors for a failure in unit ``k`` whose
+    innermost running module is ``inner`` (a name): that module where it is inside
+    the unit, else the unit; None outside every unit."""
+    if k < 0:
+        return None
+    unit = units[k].name
+    if inner is not None and (inner == unit or inner.startswith(unit + ".")):
+        return inner
+    return unit
+
+
+def _add_target(
+    real: dict[str, int], name: str, k: int, units: Sequence[Block]
+) -> dict[str, int]:
+    """``real`` with ``name`` (in unit ``k``): a module inside another target, or
+    holding one, leaves only the outer one."""
+    out = dict(real)
+    for other in list(out):
+        if name.startswith(other + "."):
+            return out  # already inside a target
+        if other.startswith(name + "."):
+            del out[other]
+    out[name] = k
+    return out
+
+
+def _with_real(c: BlockCosts, r: RealCosts, whole: bool) -> BlockCosts:
+    """A unit's traced costs with what a stand-in in it (the unit itself where
+    ``whole``, else a module inside it) measured on real tensors: what it saves, its
+    peaks (on top of the trace's, which hold the stand-in's outputs), its FLOPs. A
+    module inside the unit may save the unit's own tensors: its saved inputs and
+    outputs count as saved too (a little over where the unit saves them as well)."""
     return replace(
         c,
-        saved_bytes=c.saved_bytes + r.saved_bytes,
-        saves_input=c.saves_input or r.saves_input,
-        saves_output=c.saves_output or r.saves_output,
-        forward_peak_bytes=max(c.forward_peak_bytes, r.forward_peak_bytes),
-        forward_no_grad_peak_bytes=max(
-            c.forward_no_grad_peak_bytes, r.forward_no_grad_peak_bytes
-        ),
-        backward_peak_bytes=max(c.backward_peak_bytes, r.backward_peak_bytes),
+        saved_bytes=c.saved_bytes + r.saved_bytes + (0 if whole else r.saved_io_bytes),
+        saves_input=c.saves_input or (whole and r.saves_input),
+        saves_output=c.saves_output or (whole and r.saves_output),
+        forward_peak_bytes=c.forward_peak_bytes + r.forward_peak_bytes,
+        forward_no_grad_peak_bytes=c.forward_no_grad_peak_bytes
+        + r.forward_no_grad_peak_bytes,
+        backward_peak_bytes=c.backward_peak_bytes + r.backward_peak_bytes,
         forward_flops=c.forward_flops + r.forward_flops,
         backward_flops=c.backward_flops + r.backward_flops,
     )

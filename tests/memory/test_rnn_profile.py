@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from memory import real_profile
 from memory.chain_costs import storage_key, storage_nbytes
 from memory.unit_profile import profile_units
 from memory.units import find_units
