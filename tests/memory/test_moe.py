@@ -237,3 +237,57 @@ def test_experts_are_priced_for_the_worst_routing() -> None:
     skewed, _ = peak()
     got = predicted.forward_peak_bytes
     assert max(natural, skewed) <= got, (natural, skewed, got)
+
+
+MEASURED = dict(vocab=2048, d=128, hidden=512, experts=8, layers=3)
+
+
+def moe_lm(batch: str = "a", seed: int = 0) -> tuple:
+    """A ``module:function`` workload: the toy MoE LM and one of three batches of
+    4 x 128 tokens: ``a`` (planned on), ``b`` (other tokens) or ``skewed`` (nine in
+    ten tokens one id: they all route to the same expert)."""
+    torch.manual_seed(seed)
+    model = ToyMoELM(**MEASURED).train()
+    g = torch.Generator().manual_seed({"a": 1, "b": 2, "skewed": 3}[batch])
+    ids = torch.randint(0, MEASURED["vocab"], (4, 129), generator=g)
+    if batch == "skewed":
+        ids[torch.rand(ids.shape, generator=g) < 0.9] = 7
+    return model, (ids[:, :-1], ids[:, 1:]), cross_entropy
+
+
+@pytest.mark.child
+def test_a_budgeted_moe_run_stays_in_its_budget_on_three_batches() -> None:
+    """A plan made on one batch at half of plain's predicted peak trains three
+    batches (other routings, one skewed to a single expert) in a measuring child
+    under the guard: each measured peak inside the budget."""
+    from memory.cost import predict
+    from memory.measure import measure_in_child
+    from memory.overhead import workload_runtime_bytes
+    from memory.sizes import format_bytes
+    from memory.unit_profile import plan_units, unit_profiles
+
+    factory = "tests.memory.test_moe:moe_lm"
+    runtime = workload_runtime_bytes(factory, {})
+    model, (x, y), loss_fn = moe_lm()
+    profiles = unit_profiles(model, x, y, loss_fn, runtime_bytes=runtime)
+    names = [b.name for b in find_units(model, x)]
+    budget = predict(profiles[1], MemoryPlan.plain(names)).peak_bytes // 2
+    plan, _ = plan_units(profiles, budget, disk_budget_bytes=2**30)
+    for batch in ("a", "b", "skewed"):
+        kwargs = {"batch": batch}
+        run = measure_in_child(
+            "memory.step:train_measured",
+            dict(factory=factory, factory_kwargs=kwargs, plan=plan.to_dict(), steps=1),
+            preload=("tests.memory.test_moe",),
+            warmup=(
+                "memory.step:warm_up",
+                {"factory": factory, "factory_kwargs": kwargs},
+            ),
+            timeout_s=300,
+        )
+        msg = (
+            f"batch {batch}: measured {format_bytes(run.peak_bytes)}, budget "
+            f"{format_bytes(budget)}, predicted {format_bytes(plan.predicted_peak_bytes)}"
+        )
+        print(msg)
+        assert run.peak_bytes <= budget, msg
