@@ -291,3 +291,45 @@ def test_a_budgeted_moe_run_stays_in_its_budget_on_three_batches() -> None:
         )
         print(msg)
         assert run.peak_bytes <= budget, msg
+
+
+def test_worst_routing_runs_every_expert_and_loads_the_first_k() -> None:
+    """Under ``WorstRouting`` a router's ``topk`` (and ``argmax``) sends a few
+    tokens to each expert past the first ``k`` and every other token to the first
+    ``k``; the values stay as computed."""
+    from memory.real_profile import WorstRouting
+
+    probs = torch.randn(64, 8).softmax(-1)
+    with WorstRouting():
+        values, idx = torch.topk(probs, 2, dim=-1)
+        top1 = probs.argmax(-1)
+    assert torch.equal(values, torch.topk(probs, 2, dim=-1).values)
+    counts = torch.bincount(idx.reshape(-1), minlength=8)
+    assert (counts >= 1).all() and counts[:2].min() >= 64 - 3, counts
+    assert all(len(set(row.tolist())) == 2 for row in idx)  # k distinct per token
+    ones = torch.bincount(top1, minlength=8)
+    assert (ones >= 1).all() and ones[0] == 64 - 7, ones
+
+
+class GlueRouted(nn.Module):
+    """Data-dependent code outside every unit: the top-level forward drops tokens
+    by value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h[h.sum(-1) > 0])
+
+
+def test_data_dependent_code_outside_every_unit_is_refused_in_one_line() -> None:
+    from memory.errors import MemoryPlanError
+
+    model = GlueRouted()
+    ids = torch.randint(0, V, (2, T))
+    with pytest.raises(MemoryPlanError, match="outside every unit") as e:
+        plan_training(model, ids, ids, lambda out, y: out.sum())
+    assert "\n" not in str(e.value)
