@@ -742,7 +742,8 @@ def unit_profiles(
     A head is chunkable only where the chunked loss is the model's own
     (``memory.head.own_loss_refusal``, on the batch's first example): a model that
     changes its logits after the head or adds an auxiliary loss gets ``{1: ...}``, the
-    reason in ``loss_chunk_refusal`` (and in its plans' notes)."""
+    reason in ``loss_chunk_refusal`` (and in its plans' notes). A model with an
+    auxiliary loss is also ``batch_dependent``: its plans get no micro-batches."""
     from memory.head import own_loss_refusal
 
     refusal = None
@@ -759,14 +760,21 @@ def unit_profiles(
         chunkable = False
     options = [c for c in chunk_options if c == 1 or chunkable] or [1]
     units = units if units is not None else find_units(model, inputs)
-    return {
-        c: replace(
-            profile_units(model, inputs, targets, loss_fn, units=units, loss_chunks=c),
+    # an auxiliary loss (a router's load balancing) is a function of the whole
+    # batch: micro-batches would train another loss, so none, as for BatchNorm
+    aux = refusal is not None and "auxiliary loss" in refusal
+    out = {}
+    for c in options:
+        prof = profile_units(
+            model, inputs, targets, loss_fn, units=units, loss_chunks=c
+        )
+        out[c] = replace(
+            prof,
             runtime_bytes=runtime_bytes,
             loss_chunk_refusal=refusal,
+            batch_dependent=prof.batch_dependent or aux,
         )
-        for c in options
-    }
+    return out
 
 
 def plan_units(

@@ -197,6 +197,8 @@ def test_moe_models_plan_and_train_as_plain(name: str) -> None:
     if name == "mixtral+aux":
         assert not offered and "auxiliary loss" in planned.profile.loss_chunk_refusal
         assert "auxiliary loss" in (own_loss_refusal(model, x) or "")
+        # the router loss is the whole batch's: no micro-batches either
+        assert planned.profile.batch_dependent and planned.plan.num_microbatches == 1
     # the router's load-balancing loss is a function of the whole batch's routing:
     # micro-batches change it (6e-5 relative on the embedding's gradient), as
     # BatchNorm's statistics; plans without them train plain's loss
