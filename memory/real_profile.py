@@ -528,3 +528,124 @@ def _real() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
+
+
+COUPLING_RTOL = 1e-4
+"""Relative difference between an item's output alone and in a batch of two above
+which the items are coupled (rounding of batched kernels is far below it)."""
+
+LOSS_COUPLING_RTOL = 2e-6
+"""The same for the loss: the pair's against its items' losses weighted by the items
+they count (as micro-batches weight them). A router's load-balancing loss, weighted
+1e-2 to 1e-3 against the model's loss, moves it by 1e-5 and more."""
+
+
+def batch_coupling(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable | None,
+    layout: Layout,
+    batch: int,
+) -> str | None:
+    """Why ``model``'s items are not independent, or None: the first two items run
+    together and each alone (without autograd, in eval mode so that dropout draws
+    nothing; buffers, modes and the random state put back). Every batch-shaped
+    output of the pair must equal the single items' within ``COUPLING_RTOL``, and the
+    pair's loss their losses weighted by the items they count (as micro-batches are)
+    within ``LOSS_COUPLING_RTOL``. A router's load-balancing loss (a function of the
+    whole batch's routing) or an expert capacity over the batch fails this;
+    micro-batches would then train another function."""
+    if layout == () or batch < 2:
+        return None
+    from memory.batch import count_items, first_items, loss_of
+
+    pair = first_items(inputs, targets, 2, layout)
+    ones = split_batch(pair[0], pair[1], 2, layout)
+    modes = [(m, m.training) for m in model.modules()]
+    name = type(model).__name__
+    try:
+        model.eval()
+        with _untouched(model), torch.no_grad():
+            both = call_model(model, pair[0])
+            alone = [call_model(model, x) for x, _ in ones]
+            try:
+                pair_loss = float(loss_of(both, pair[1], loss_fn))
+                counts = [count_items(model, x, y) for x, y in ones]
+                losses = [
+                    float(loss_of(a, y, loss_fn)) for a, (_, y) in zip(alone, ones)
+                ]
+            except Exception:  # no loss to compare: the outputs only
+                pair_loss, counts, losses = None, [], []
+    except Exception:  # the check is only a check; training will tell
+        return None
+    finally:
+        for m, was in modes:
+            m.training = was
+    if pair_loss is not None and sum(counts) > 0:
+        mean = sum(c * v for c, v in zip(counts, losses)) / sum(counts)
+        rel = abs(pair_loss - mean) / max(abs(mean), 1e-12)
+        if rel > LOSS_COUPLING_RTOL:
+            return (
+                f"{name}'s loss on two items differs from their own losses weighted "
+                f"(relative {rel:.1e}: an auxiliary loss over the batch's routing, a "
+                "layer over the batch); micro-batches would train another loss"
+            )
+
+    scalar = _scalars(both)
+    for key, v in scalar.items():
+        vs = [_scalars(a).get(key) for a in alone]
+        if any(x is None for x in vs):
+            continue
+        fits = [sum(vs) / 2, sum(vs)]  # type: ignore[arg-type]
+        if counts and sum(counts) > 0:
+            fits.append(sum(c * x for c, x in zip(counts, vs)) / sum(counts))  # type: ignore[operator]
+        if all(abs(v - f) > COUPLING_RTOL * max(abs(f), 1e-6) for f in fits):
+            return (
+                f"{name}'s {key} on two items is neither the mean nor the sum of "
+                "theirs (a router's load-balancing loss over the batch's routing); "
+                "micro-batches would train another loss"
+            )
+
+    def rows(out: Any) -> list[torch.Tensor]:
+        if isinstance(out, dict):
+            out = list(out.values())
+        return [
+            t
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_floating_point()
+        ]
+
+    got = rows(both)
+    singles = [rows(a) for a in alone]
+    for i, t in enumerate(got):
+        if t.shape[0] != 2 or any(len(s) <= i for s in singles):
+            continue
+        for j in range(2):
+            one = singles[j][i]
+            if one.shape != t[j : j + 1].shape:
+                continue
+            diff = (t[j : j + 1] - one).abs().max().item()
+            scale = max(one.abs().max().item(), 1e-6)
+            if diff > COUPLING_RTOL * scale:
+                return (
+                    f"{name}'s output for an item depends on the other items of its "
+                    f"batch (relative {diff / scale:.1e}: an expert capacity over the "
+                    "batch, a layer over the batch); micro-batches would train another "
+                    "function"
+                )
+    return None
+
+
+def _scalars(out: Any) -> dict[str, float]:
+    """A model output's named float scalars but its loss (auxiliary losses)."""
+    if not isinstance(out, dict):
+        return {}
+    return {
+        k: float(v)
+        for k, v in out.items()
+        if k != "loss"
+        and isinstance(v, torch.Tensor)
+        and v.dim() == 0
+        and v.is_floating_point()
+    }

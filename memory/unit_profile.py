@@ -58,6 +58,7 @@ from memory.real_profile import (
     MISPRICED_OPS,
     RealCosts,
     RealUnits,
+    batch_coupling,
     op_flops,
 )
 from memory.streaming import parameter_owners, row_lookups
@@ -763,6 +764,12 @@ def unit_profiles(
     # an auxiliary loss (a router's load balancing) is a function of the whole
     # batch: micro-batches would train another loss, so none, as for BatchNorm
     aux = refusal is not None and "auxiliary loss" in refusal
+    layout = batch_layout(model)
+    coupled = batch_coupling(
+        model, inputs, targets, loss_fn, layout, batch_size_of(inputs, layout)
+    )
+    if coupled is not None:
+        logger.info("no micro-batches: %s", coupled)
     out = {}
     for c in options:
         prof = profile_units(
@@ -772,7 +779,7 @@ def unit_profiles(
             prof,
             runtime_bytes=runtime_bytes,
             loss_chunk_refusal=refusal,
-            batch_dependent=prof.batch_dependent or aux,
+            batch_dependent=prof.batch_dependent or aux or coupled is not None,
         )
     return out
 

@@ -120,6 +120,26 @@ MODELS = {
         num_experts_per_tok=2,
         experts_implementation="eager",
     ),
+    # a Switch router: top-1 with an expert capacity (per sequence)
+    "switch capacity": lambda: tf.SwitchTransformersForConditionalGeneration(
+        tf.SwitchTransformersConfig(
+            vocab_size=V,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            expert_capacity=8,
+            num_layers=2,
+            num_sparse_encoder_layers=1,
+            num_decoder_layers=2,
+            num_sparse_decoder_layers=1,
+            num_heads=4,
+            num_experts=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            dropout_rate=0.0,
+            router_jitter_noise=0.0,
+        )
+    ),
     "toy top-1": ToyMoELM,
 }
 
@@ -199,6 +219,8 @@ def test_moe_models_plan_and_train_as_plain(name: str) -> None:
         assert "auxiliary loss" in (own_loss_refusal(model, x) or "")
         # the router loss is the whole batch's: no micro-batches either
         assert planned.profile.batch_dependent and planned.plan.num_microbatches == 1
+    else:
+        assert not planned.profile.batch_dependent
     # the router's load-balancing loss is a function of the whole batch's routing:
     # micro-batches change it (6e-5 relative on the embedding's gradient), as
     # BatchNorm's statistics; plans without them train plain's loss
@@ -335,3 +357,32 @@ def test_data_dependent_code_outside_every_unit_is_refused_in_one_line() -> None
     with pytest.raises(MemoryPlanError, match="outside every unit") as e:
         plan_training(model, ids, ids, lambda out, y: out.sum())
     assert "\n" not in str(e.value)
+
+
+class BatchCentered(nn.Module):
+    """Each item's output depends on the others: the hidden states are centred over
+    the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h - h.mean(0, keepdim=True))
+
+
+def test_a_model_whose_items_are_coupled_gets_no_microbatches() -> None:
+    """``memory.real_profile.batch_coupling``: the first two items together against
+    each alone; coupled items (here a mean over the batch; a router loss over the
+    batch's routing in Mixtral above) make the profile batch-dependent."""
+    from memory.real_profile import batch_coupling
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (4, T))
+    model = BatchCentered()
+    why = batch_coupling(model, ids, ids, cross_entropy, None, 4)
+    assert why is not None and "micro-batches would train another" in why, why
+    planned = plan_training(model, ids, ids, cross_entropy)
+    assert planned.profile.batch_dependent and planned.plan.num_microbatches == 1
