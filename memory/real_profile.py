@@ -13,9 +13,9 @@ kinds of unit defeat that:
   MiB saved for backward on real tensors, 10.0 on fake ones), and which torch's FLOP
   counter does not know (0 FLOPs).
 
-Such a unit is profiled on real tensors, alone: the real model runs without autograd
-on a slice of the batch (1 and 2 items) up to the unit, whose inputs are kept; the
-unit then runs forward (without and with autograd) and backward on them under the
+Such a module is profiled on real tensors, alone: the real model runs without
+autograd on a slice of the batch (1 and 2 items) up to the module, whose inputs are
+kept; the module then runs forward (without and with autograd) and backward on them under the
 same byte and FLOP accounting as the fake trace, with ``autograd.grad`` (the model's
 ``.grad`` and buffers, and the random state, are left as they were). Its costs at a
 micro-batch of ``n`` items are the line through the 1- and 2-item measurements (a
@@ -24,12 +24,20 @@ with an odd batch, each micro-batch size is measured. In the fake trace the unit
 stand-in that returns fake outputs of the measured shapes (extrapolated the same
 way), so the units around it are traced as before.
 
-Experts are priced for the **worst routing**: while a unit is measured, every
-``topk`` returns the first ``k`` indices and every ``argmax`` the first, so all
-tokens of the micro-batch go to the same experts (a router with a capacity then
-drops what exceeds it, as it would). Routing decides which tokens an expert sees,
-not how many expert-token pairs there are, so the saved bytes hardly change; the
-transient of one expert's work is the largest it can be.
+Experts are priced for the **worst routing**: while a module is measured, and while
+its inputs are captured (a router before it decides them), every ``topk``,
+``argmax`` and ``max(dim)`` returns the first ``k`` experts for all tokens but the
+first few, which take one each of the others (``_worst_indices``): every expert runs
+(its fixed costs) and the first ``k`` take nearly every token (the largest transient
+of one expert); a router with a capacity then drops what exceeds it, as it would.
+Routing decides which tokens an expert sees, not how many expert-token pairs there
+are, so the saved bytes hardly change.
+
+A fake trace that raises is retried with the innermost module that was running as
+the stand-in (the experts, not their decoder layer: the router still runs on fake
+tensors, and the logits transformers records for its router loss are there); a
+failure in backward makes the whole unit real. ``batch_coupling`` tells whether the
+model's items depend on each other (micro-batches would train another function).
 """
 
 from __future__ import annotations
@@ -594,12 +602,13 @@ def batch_coupling(
 
     scalar = _scalars(both)
     for key, v in scalar.items():
-        vs = [_scalars(a).get(key) for a in alone]
-        if any(x is None for x in vs):
+        each = [_scalars(a).get(key) for a in alone]
+        vs = [x for x in each if x is not None]
+        if len(vs) != len(each):
             continue
-        fits = [sum(vs) / 2, sum(vs)]  # type: ignore[arg-type]
+        fits = [sum(vs) / 2, sum(vs)]
         if counts and sum(counts) > 0:
-            fits.append(sum(c * x for c, x in zip(counts, vs)) / sum(counts))  # type: ignore[operator]
+            fits.append(sum(c * x for c, x in zip(counts, vs)) / sum(counts))
         if all(abs(v - f) > COUPLING_RTOL * max(abs(f), 1e-6) for f in fits):
             return (
                 f"{name}'s {key} on two items is neither the mean nor the sum of "

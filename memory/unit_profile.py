@@ -15,6 +15,11 @@ can be profiled) and attributes what happens to the units (``memory.units``):
 - inputs that several units take (attention masks, rotary tables, an encoder's output
   read by every decoder layer) live the whole step: they count once, with the batch.
 
+- a module fake tensors cannot run (a mixture of experts' data-dependent routing) or
+  price (oneDNN's recurrent kernels: ``memory.real_profile.MISPRICED_OPS``) is a
+  stand-in in the trace and profiled on real tensors on a slice of the batch
+  (``memory.real_profile.RealUnits``), its experts for the worst routing.
+
 The result is a ``memory.profile.Profile`` whose blocks are the units, so the one
 planner (``memory.plan``) plans any model. Times are FLOPs over the measured matmul
 rate (not calibrated against a measured step).
