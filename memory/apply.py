@@ -162,11 +162,25 @@ class AppliedPlan:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             in_backward = torch._C._current_graph_task_id() != -1
+            watch = torch.is_grad_enabled() and not in_backward
+            called: set[int] = {id(mod)}  # the unit itself: its own parameters
+            hook = (
+                torch.nn.modules.module.register_module_forward_pre_hook(
+                    lambda m, _a: called.add(id(m))
+                )
+                if watch
+                else None
+            )
             try:
-                return wrapped(*args, **kwargs)
+                out = wrapped(*args, **kwargs)
             finally:
+                if hook is not None:
+                    hook.remove()
                 if not in_backward:
                     streamer.unload(k)
+            if watch:  # the gradients its backward brings: of what this run used
+                streamer.expect(k, out, (args, kwargs), called)
+            return out
 
         return forward
 

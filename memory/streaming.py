@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -233,6 +234,44 @@ class ParamStreamer:
             k: {i for i, p in enumerate(ps) if p.requires_grad}
             for k, ps in self.own.items()
         }
+        self._used: dict[int, set[int]] = {}
+
+    def expect(self, k: int, out: Any, inputs: Any, called: set[int]) -> None:
+        """After a forward of unit ``k`` with autograd (``out`` from ``inputs``, the
+        modules ``called`` by ``id``): the gradients its backward waits for are
+        those of the parameters that forward used. A parameter held only by modules
+        the forward did not call and not reached from ``out``'s graph (an expert no
+        token was routed to) gets no gradient this backward, so the unit finishes
+        (unmapped, updated) when the others have theirs, not at the end of the
+        backward with every such unit's gradients still in memory."""
+        if k not in self._pending:
+            return
+        ps = self.own[k]
+        holders: dict[int, set[int]] = {}
+        for mod in self.units[k].module.modules():
+            for p in mod._parameters.values():
+                if p is not None:
+                    holders.setdefault(id(p), set()).add(id(mod))
+        reached: set[int] = set()
+        stop = {t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None}
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        seen: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in stop:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+        used = self._used.setdefault(k, set())
+        for i, p in enumerate(ps):
+            if p.requires_grad and (
+                id(p) in reached or not holders.get(id(p), set()).isdisjoint(called)
+            ):
+                used.add(i)
+        self._pending[k] = set(used)  # no gradient has come yet: backward follows
 
     # ------------------------------------------------------------------ moving
     def load(self, k: int) -> None:
@@ -396,3 +435,9 @@ class ParamStreamer:
         self._hooks = []
         self._loaded = {}
         self.store.close()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [
+        t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)
+    ]

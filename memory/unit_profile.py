@@ -15,6 +15,11 @@ can be profiled) and attributes what happens to the units (``memory.units``):
 - inputs that several units take (attention masks, rotary tables, an encoder's output
   read by every decoder layer) live the whole step: they count once, with the batch.
 
+- a module fake tensors cannot run (a mixture of experts' data-dependent routing) or
+  price (oneDNN's recurrent kernels: ``memory.real_profile.MISPRICED_OPS``) is a
+  stand-in in the trace and profiled on real tensors on a slice of the batch
+  (``memory.real_profile.RealUnits``), its experts for the worst routing.
+
 The result is a ``memory.profile.Profile`` whose blocks are the units, so the one
 planner (``memory.plan``) plans any model. Times are FLOPs over the measured matmul
 rate (not calibrated against a measured step).
@@ -22,6 +27,7 @@ rate (not calibrated against a measured step).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import mmap
@@ -31,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
 from memory.batch import (
     batch_layout,
@@ -54,8 +59,15 @@ from memory.errors import MemoryPlanError
 from memory.head import ChunkedHead, vocab_block_bytes
 from memory.probes import measure_flops_per_s
 from memory.profile import BlockCosts, BlockProfile, Profile
+from memory.real_profile import (
+    MISPRICED_OPS,
+    RealCosts,
+    RealUnits,
+    batch_coupling,
+    op_flops,
+)
 from memory.streaming import parameter_owners, row_lookups
-from memory.units import call_model, find_units, no_kv_cache
+from memory.units import call_model, find_units, no_kv_cache, quiet_fake_errors
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +85,30 @@ class _Tracker(LiveBytes):
         super().__init__()
         self.owner = GLUE
         self.flops = [0] * n
+        self.mispriced: set[tuple[int, int]] = set()  # (unit, innermost module id)
+        self.stack: list[nn.Module] = []  # modules whose forward runs, innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in flop_registry and self.owner >= 0:
-            try:
-                self.flops[self.owner] += int(
-                    flop_registry[packet](*args, **kwargs, out_val=out)
-                )
-            except Exception:  # a formula that does not take these arguments
-                pass
+        if self.owner >= 0:
+            self.flops[self.owner] += op_flops(func, args, kwargs, out)
+            if func in MISPRICED_OPS:
+                inner = id(self.stack[-1]) if self.stack else 0
+                self.mispriced.add((self.owner, inner))
         self.track_outputs(out)
         return out
+
+
+class _UnitFailed(Exception):
+    """The fake trace failed in unit ``unit`` (GLUE: outside every unit), in its
+    module ``inner`` (``id``; 0: not known, as in backward)."""
+
+    def __init__(self, unit: int, inner: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.unit = unit
+        self.inner = inner
+        self.error = error
 
 
 class _Trace:
@@ -113,6 +135,13 @@ class _Trace:
         self.claimed: set[Any] = set()
         self.node_owner: dict[Any, int] = {}
         self.no_grad_peak = [0] * n
+        self.in_backward = False
+
+    def failing_unit(self) -> int:
+        """The unit whose forward or backward runs now (GLUE: none)."""
+        if self.in_backward:
+            return self.tracker.owner
+        return self.current if self.inside else GLUE
 
     # ---------------------------------------------------------------- forward
     def _claim(self, tensors: list[torch.Tensor], owner: int) -> None:
@@ -216,8 +245,19 @@ def _run_trace(
 
         hooks.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(u.module.register_forward_hook(post, with_kwargs=True))
+    stack = tr.tracker.stack
+
+    def enter(m: nn.Module, _a: Any) -> None:
+        stack.append(m)
+
+    def leave(m: nn.Module, _a: Any, _o: Any) -> None:
+        if stack and stack[-1] is m:
+            stack.pop()
+
+    hooks.append(nn.modules.module.register_module_forward_pre_hook(enter))
+    hooks.append(nn.modules.module.register_module_forward_hook(leave))
     try:
-        with tr.tracker:
+        with tr.tracker, quiet_fake_errors():
             # without autograd first: the forward peak of a recomputed or streamed unit
             with torch.no_grad():
                 _loss(model, inputs, targets, loss_fn, head)
@@ -240,13 +280,21 @@ def _run_trace(
             tr.tracker.flops = [0] * tr.n
             handles = [n.register_prehook(_prehook(tr, n)) for n in tr.node_owner]
             tr.tracker.owner = GLUE
+            tr.in_backward = True
             loss.backward()
+            tr.in_backward = False
             if head is not None:
                 head.clear()
             tr.finish_backward()
             for h in handles:
                 h.remove()
             del loss
+    except MemoryPlanError:
+        raise
+    except Exception as e:  # fake tensors cannot run it: which unit, which module?
+        stack = tr.tracker.stack
+        inner = 0 if tr.in_backward or not stack else id(stack[-1])
+        raise _UnitFailed(tr.failing_unit(), inner, e) from e
     finally:
         for h in hooks:
             h.remove()
@@ -456,42 +504,73 @@ def profile_units(
     states = block_state(fake_units, optimizer)
     rows = _RowParams(fake_units, head)
     exclude = {storage_key(t) for t in (*fake.parameters(), *fake.buffers())}
-    costs_by_m: dict[int, list[BlockCosts]] = {}
-    base_extra = 0
-    glue_of: list[int] = []
-    glue_keeps_input: list[bool] = []
-    with mode:
-        fx = map_tensors(inputs, mode.from_tensor)
-        fy = map_tensors(targets, mode.from_tensor)
-        for m in [
-            d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
-        ]:
-            x, y = split_batch(fx, fy, m, layout)[0]
-            batch_keys = {storage_key(t) for t in tensors_of((x, y))}
-            counting = rows.hooks()
-            try:
-                tr = _run_trace(
-                    fake, fake_units, x, y, loss_fn, exclude | batch_keys, head
+    sizes = [
+        batch // d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
+    ]
+    # modules profiled on real tensors (memory.real_profile): name -> unit index
+    real: dict[str, int] = {}
+    real_mods = dict(model.named_modules(remove_duplicate=False))
+    fake_names = {id(m): n for n, m in fake.named_modules(remove_duplicate=False)}
+    for _ in range(2 * len(units) + 2):
+        fallback = None
+        if real:
+            fallback = RealUnits(
+                model,
+                [Block(n, real_mods[n]) for n in real],
+                inputs,
+                targets,
+                layout,
+                batch,
+                sizes,
+            )
+        try:
+            costs_by_m, glue_of, glue_keeps_input, base_extra, mispriced = _trace_all(
+                mode,
+                fake,
+                fake_units,
+                inputs,
+                targets,
+                loss_fn,
+                layout,
+                batch,
+                sizes,
+                exclude,
+                head,
+                rows,
+                fallback,
+                [Block(n, by_name[n]) for n in real],
+                list(real.values()),
+            )
+        except _UnitFailed as e:
+            name = _target(units, e.unit, fake_names.get(e.inner))
+            if name is None or name in real:
+                if name is not None and name != units[e.unit].name:
+                    real[units[e.unit].name] = e.unit  # the whole unit then
+                    continue
+                where = (
+                    "outside every unit" if e.unit < 0 else f"in {units[e.unit].name}"
                 )
-            finally:
-                for h in counting:
-                    h.remove()
-            seen: dict[int, int] = {}
-            shared: set[int] = set()
-            for k in range(tr.n):
-                for s in tr.inputs[k]:
-                    if s in seen and seen[s] != k:
-                        shared.add(s)
-                    seen.setdefault(s, k)
-            costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(_costs(tr, shared))]
-            if m == 1:
-                kept_inputs = glue_kept_inputs(tr)
-                glue_of = moved_glue_bytes(tr, kept_inputs)
-                glue_keeps_input = [bool(s) for s in kept_inputs]
-                sizes = {s: b for k in range(tr.n) for s, b in tr.inputs[k].items()}
-                base_extra = sum(sizes[s] for s in shared)
-            for p in fake.parameters():
-                p.grad = None
+                text = str(e.error).strip()
+                first = text.splitlines()[0][:160] if text else ""
+                raise MemoryPlanError(
+                    f"{type(model).__name__} cannot be profiled: "
+                    f"{type(e.error).__name__} {where} on fake tensors"
+                    f"{' (' + first + ')' if first else ''}"
+                ) from e.error
+            real = _add_target(real, name, e.unit, units)
+            logger.info("profiling %s on real tensors: %s", name, e.error)
+            continue
+        added = False
+        for k, inner in mispriced:
+            name = _target(units, k, fake_names.get(inner))
+            if name is not None and name not in real:
+                real = _add_target(real, name, k, units)
+                added = True
+        if added:
+            continue
+        break
+    else:  # cannot happen: each round adds a module or raises
+        raise MemoryPlanError(f"{type(model).__name__} cannot be profiled")
     rate = measure_flops_per_s()
     blocks = []
     for k, st in enumerate(states):
@@ -536,6 +615,138 @@ def profile_units(
         optimizer=optimizer,
         flops_per_s=rate,
         time_source="flops",
+    )
+
+
+def _trace_all(
+    mode: Any,
+    fake: nn.Module,
+    fake_units: Sequence[Block],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable | None,
+    layout: Any,
+    batch: int,
+    sizes: Sequence[int],
+    exclude: set[int],
+    head: ChunkedHead | None,
+    rows: _RowParams,
+    fallback: RealUnits | None,
+    fake_targets: Sequence[Block],
+    owners: Sequence[int],
+) -> tuple[
+    dict[int, list[BlockCosts]], list[int], list[bool], int, set[tuple[int, int]]
+]:
+    """The fake trace at each micro-batch size: costs by micro-batch count, the
+    bytes each unit's glue saves that the plan cannot move, whether that glue keeps
+    the unit's input, the inputs several units share (bytes) and the
+    units that ran an op fake tensors misprice. Units of ``fallback`` run as
+    stand-ins, their costs measured on real tensors."""
+    costs_by_m: dict[int, list[BlockCosts]] = {}
+    base_extra = 0
+    glue_of: list[int] = []
+    glue_keeps_input: list[bool] = []
+    mispriced: set[tuple[int, int]] = set()
+    items = [batch]
+    stand = (
+        fallback.standing_in(fake_targets, lambda: items[0])
+        if fallback is not None
+        else contextlib.nullcontext()
+    )
+    with mode, stand:
+        fx = map_tensors(inputs, mode.from_tensor)
+        fy = map_tensors(targets, mode.from_tensor)
+        try:
+            for n in sizes:
+                m = batch // n
+                items[0] = n
+                x, y = split_batch(fx, fy, m, layout)[0]
+                batch_keys = {storage_key(t) for t in tensors_of((x, y))}
+                counting = rows.hooks()
+                try:
+                    tr = _run_trace(
+                        fake, fake_units, x, y, loss_fn, exclude | batch_keys, head
+                    )
+                finally:
+                    for h in counting:
+                        h.remove()
+                mispriced |= tr.tracker.mispriced
+                seen: dict[int, int] = {}
+                shared: set[int] = set()
+                for k in range(tr.n):
+                    for s in tr.inputs[k]:
+                        if s in seen and seen[s] != k:
+                            shared.add(s)
+                        seen.setdefault(s, k)
+                costs = _costs(tr, shared)
+                if fallback is not None:
+                    for j, k in enumerate(owners):
+                        if j in fallback.calls:
+                            whole = fake_targets[j].module is fake_units[k].module
+                            costs[k] = _with_real(
+                                costs[k], fallback.costs(j, n, fallback.calls[j]), whole
+                            )
+                costs_by_m[m] = [rows.costs(k, c) for k, c in enumerate(costs)]
+                if m == 1:
+                    kept_inputs = glue_kept_inputs(tr)
+                    glue_of = moved_glue_bytes(tr, kept_inputs)
+                    glue_keeps_input = [bool(s) for s in kept_inputs]
+                    sizes_of = {
+                        s: b for k in range(tr.n) for s, b in tr.inputs[k].items()
+                    }
+                    base_extra = sum(sizes_of[s] for s in shared)
+        finally:
+            for p in fake.parameters():
+                p.grad = None
+            if head is not None:
+                head.clear()
+    return costs_by_m, glue_of, glue_keeps_input, base_extra, mispriced
+
+
+def _target(units: Sequence[Block], k: int, inner: str | None) -> str | None:
+    """The module to profile on real tensors for a failure in unit ``k`` whose
+    innermost running module is ``inner`` (a name): that module where it is inside
+    the unit, else the unit; None outside every unit."""
+    if k < 0:
+        return None
+    unit = units[k].name
+    if inner is not None and (inner == unit or inner.startswith(unit + ".")):
+        return inner
+    return unit
+
+
+def _add_target(
+    real: dict[str, int], name: str, k: int, units: Sequence[Block]
+) -> dict[str, int]:
+    """``real`` with ``name`` (in unit ``k``): a module inside another target, or
+    holding one, leaves only the outer one."""
+    out = dict(real)
+    for other in list(out):
+        if name.startswith(other + "."):
+            return out  # already inside a target
+        if other.startswith(name + "."):
+            del out[other]
+    out[name] = k
+    return out
+
+
+def _with_real(c: BlockCosts, r: RealCosts, whole: bool) -> BlockCosts:
+    """A unit's traced costs with what a stand-in in it (the unit itself where
+    ``whole``, else a module inside it) measured on real tensors: what it saves, its
+    peaks (on top of the trace's, which hold the stand-in's outputs), its FLOPs. A
+    module inside the unit may save the unit's own tensors: its saved inputs and
+    outputs count as saved too (a little over where the unit saves them as well)."""
+    return replace(
+        c,
+        saved_bytes=c.saved_bytes + r.saved_bytes + (0 if whole else r.saved_io_bytes),
+        saves_input=c.saves_input or (whole and r.saves_input),
+        saves_output=c.saves_output or (whole and r.saves_output),
+        forward_peak_bytes=c.forward_peak_bytes + r.forward_peak_bytes,
+        forward_no_grad_peak_bytes=c.forward_no_grad_peak_bytes
+        + r.forward_no_grad_peak_bytes,
+        backward_peak_bytes=c.backward_peak_bytes + r.backward_peak_bytes,
+        forward_flops=c.forward_flops + r.forward_flops,
+        backward_flops=c.backward_flops + r.backward_flops,
     )
 
 
@@ -585,7 +796,8 @@ def unit_profiles(
     reason in ``loss_chunk_refusal`` (and in its plans' notes). A ``loss_fn`` is
     chunked only where it is a ``memory.declared_loss.LogitsCrossEntropy`` whose
     logits are its head's output (``memory.head.declared_loss_refusal``); a user's
-    own function is not looked into."""
+    own function is not looked into. A model with an auxiliary loss is also
+    ``batch_dependent``: its plans get no micro-batches."""
     from memory.declared_loss import LogitsCrossEntropy
     from memory.head import declared_loss_refusal, own_loss_refusal
 
@@ -605,14 +817,27 @@ def unit_profiles(
             chunkable = refusal is None
     options = [c for c in chunk_options if c == 1 or chunkable] or [1]
     units = units if units is not None else find_units(model, inputs)
-    return {
-        c: replace(
-            profile_units(model, inputs, targets, loss_fn, units=units, loss_chunks=c),
+    # an auxiliary loss (a router's load balancing) is a function of the whole
+    # batch: micro-batches would train another loss, so none, as for BatchNorm
+    aux = refusal is not None and "auxiliary loss" in refusal
+    layout = batch_layout(model)
+    coupled = batch_coupling(
+        model, inputs, targets, loss_fn, layout, batch_size_of(inputs, layout)
+    )
+    if coupled is not None:
+        logger.info("no micro-batches: %s", coupled)
+    out = {}
+    for c in options:
+        prof = profile_units(
+            model, inputs, targets, loss_fn, units=units, loss_chunks=c
+        )
+        out[c] = replace(
+            prof,
             runtime_bytes=runtime_bytes,
             loss_chunk_refusal=refusal,
+            batch_dependent=prof.batch_dependent or aux or coupled is not None,
         )
-        for c in options
-    }
+    return out
 
 
 def plan_units(

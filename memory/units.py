@@ -31,8 +31,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -168,7 +170,7 @@ def trace_units(
                 fake = copy.deepcopy(model)
         by_name = dict(fake.named_modules(remove_duplicate=False))
         fake_cands = [Block(b.name, by_name[b.name]) for b in candidates]
-        with mode:
+        with mode, quiet_fake_errors():
             fx = _map_tensors(inputs, mode.from_tensor)
             run(fake, fake_cands, fx)
     except Exception:  # a model that will not run on fake tensors: run it for real
@@ -182,6 +184,20 @@ def trace_units(
             model.train(was)
     by = {b.name: b for b in candidates}
     return [by[n] for n in order], calls
+
+
+@contextlib.contextmanager
+def quiet_fake_errors() -> Iterator[None]:
+    """torch logs a fake kernel's failure with its traceback before raising it; a
+    caller that catches it and runs the model another way (``trace_units``,
+    ``memory.real_profile``) makes the log noise."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(was)
 
 
 def _fake_of_meta(model: nn.Module, mode: Any) -> nn.Module:
