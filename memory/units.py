@@ -138,8 +138,19 @@ def trace_units(
     memory) when the model and inputs allow it, else on the model itself under
     ``no_grad``.
     """
+    units, calls, _ = _trace(model, candidates, inputs)
+    return units, calls
+
+
+def _trace(
+    model: nn.Module, candidates: Sequence[Block], inputs: Any
+) -> tuple[list[Block], dict[str, int], str | None]:
+    """``trace_units``, and the module (its path) whose own code failed on fake
+    tensors where that is not inside a candidate (None: no such failure)."""
     order: list[str] = []
     calls: dict[str, int] = {}
+    failed_in: str | None = None
+    running: list[nn.Module] = []  # the fake forward's module stack
 
     def run(mod: nn.Module, cands: Sequence[Block], x: Any) -> None:
         hooks = []
@@ -170,9 +181,27 @@ def trace_units(
                 fake = copy.deepcopy(model)
         by_name = dict(fake.named_modules(remove_duplicate=False))
         fake_cands = [Block(b.name, by_name[b.name]) for b in candidates]
-        with mode, quiet_fake_errors():
-            fx = _map_tensors(inputs, mode.from_tensor)
-            run(fake, fake_cands, fx)
+        names = {id(m): n for n, m in by_name.items()}
+        into = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, _a: running.append(m)
+        )
+
+        def leave(m: nn.Module, _a: object, _o: object) -> None:
+            if running and running[-1] is m:
+                running.pop()
+
+        out_of = torch.nn.modules.module.register_module_forward_hook(leave)
+        try:
+            with mode, quiet_fake_errors():
+                fx = _map_tensors(inputs, mode.from_tensor)
+                run(fake, fake_cands, fx)
+        except Exception:
+            if running:  # the innermost module running when it failed
+                failed_in = names.get(id(running[-1]))
+            raise
+        finally:
+            into.remove()
+            out_of.remove()
     except Exception:  # a model that will not run on fake tensors: run it for real
         order.clear()
         calls.clear()
@@ -183,7 +212,11 @@ def trace_units(
         finally:
             model.train(was)
     by = {b.name: b for b in candidates}
-    return [by[n] for n in order], calls
+    if failed_in is not None and any(
+        failed_in == n or failed_in.startswith(n + ".") for n in by
+    ):
+        failed_in = None  # inside a candidate: profiled there (memory.real_profile)
+    return [by[n] for n in order], calls, failed_in
 
 
 @contextlib.contextmanager
@@ -269,14 +302,16 @@ def find_units(
         raise MemoryPlanError(
             f"{type(model).__name__} has no module with parameters to plan over"
         )
-    units, _ = trace_units(model, cands, inputs)
+    units, _, failed_in = _trace(model, cands, inputs)
     if names is None:
         for _ in range(_MAX_NESTING):
             opened = _open_uncalled(cands, units)
             if opened is None:
+                opened = _close_failing(model, cands, failed_in)
+            if opened is None:
                 break
             cands = opened
-            units, _ = trace_units(model, cands, inputs)
+            units, _, failed_in = _trace(model, cands, inputs)
     if not units:
         raise MemoryPlanError(
             f"{type(model).__name__}'s forward calls none of its units "
@@ -318,6 +353,33 @@ def _open_uncalled(
                 seen.add(id(kid))
                 out.append(Block(f"{b.name}.{n}", kid))
     return out if opened else None
+
+
+def _close_failing(
+    model: nn.Module, cands: Sequence[Block], failed_in: str | None
+) -> list[Block] | None:
+    """The candidates with those inside ``failed_in`` replaced by that module, one
+    unit in the place of its first: a module whose own code, between the units it
+    holds, cannot run on fake tensors (``AdaptiveLogSoftmaxWithLoss`` selects each
+    cluster's rows with ``nonzero``) becomes a unit, which the profile measures on
+    real tensors (``memory.real_profile``). None when there is nothing to close (no
+    such failure, or it was in the model's own code)."""
+    if not failed_in:
+        return None
+    inside = [b for b in cands if b.name.startswith(failed_in + ".")]
+    if not inside:
+        return None
+    mod = dict(model.named_modules(remove_duplicate=False)).get(failed_in)
+    if mod is None:
+        return None
+    out: list[Block] = []
+    for b in cands:
+        if b in inside:
+            if b is inside[0]:
+                out.append(Block(failed_in, mod))
+            continue
+        out.append(b)
+    return out
 
 
 def outside_parameters(model: nn.Module, units: Sequence[Block]) -> list[str]:

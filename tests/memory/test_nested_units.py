@@ -137,3 +137,37 @@ def test_plans_over_the_opened_units_equal_plain(how: str) -> None:
     assert grads.keys() == ref_grads.keys()
     for n, g in ref_grads.items():
         assert torch.equal(grads[n], g), n
+
+
+def test_a_module_whose_own_code_cannot_run_on_fake_tensors_is_one_unit() -> None:
+    """AdaptiveLogSoftmaxWithLoss holds a list of clusters (layers) and selects each
+    cluster's rows with ``nonzero`` in its own code, between them: it is not opened
+    into its clusters but becomes one unit, which the profile measures on real
+    tensors (memory.real_profile); the plan trains like plain."""
+    from memory import TrainSettings, plan_training
+    from memory.units import find_units
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 32)
+            self.head = nn.AdaptiveLogSoftmaxWithLoss(32, 12, cutoffs=[4, 8])
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inp(x), y).loss
+
+    torch.manual_seed(0)
+    model = Model()
+    x, y = torch.randn(64, 8), torch.randint(0, 12, (64,))
+    assert [u.name for u in find_units(model, (x, y))] == ["inp", "head"]
+    ref = Model()
+    ref.load_state_dict(model.state_dict())
+    ref(x, y).backward()
+    planned = plan_training(model, (x, y), None, lambda out, _y: out)
+    # clipping defers the update: streamed units' gradients wait to be read
+    with planned.trainer(settings=TrainSettings(lr=1e-3, clip_norm=1.0)) as tr:
+        loss = tr.backward((x, y), None)
+        grads = tr.gradients()
+    assert loss == pytest.approx(float(ref(x, y)), rel=1e-6)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
