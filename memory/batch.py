@@ -281,6 +281,18 @@ def count_items(model: nn.Module, inputs: Any, targets: Any) -> int:
     return batch_size_of(inputs, batch_layout(model))
 
 
+def loss_count(
+    model: nn.Module, loss_fn: Callable | None, inputs: Any, targets: Any
+) -> int:
+    """The items ``loss_fn``'s mean averages over on this batch: the loss's own
+    ``count(targets)`` where it declares one (``memory.LogitsCrossEntropy``: its
+    targets that are not ignored, after its shift), else ``count_items``."""
+    count = getattr(loss_fn, "count", None)
+    if callable(count):
+        return int(count(targets))
+    return count_items(model, inputs, targets)
+
+
 def loss_of(output: Any, targets: Any, loss_fn: Callable | None) -> torch.Tensor:
     """``loss_fn(output, targets)``, or the model's own ``output.loss``.
 

@@ -566,7 +566,7 @@ def batch_coupling(
     micro-batches would then train another function."""
     if layout == () or batch < 2:
         return None
-    from memory.batch import count_items, first_items, loss_of
+    from memory.batch import first_items, loss_count, loss_of
 
     pair = first_items(inputs, targets, 2, layout)
     ones = split_batch(pair[0], pair[1], 2, layout)
@@ -579,7 +579,7 @@ def batch_coupling(
             alone = [call_model(model, x) for x, _ in ones]
             try:
                 pair_loss = float(loss_of(both, pair[1], loss_fn))
-                counts = [count_items(model, x, y) for x, y in ones]
+                counts = [loss_count(model, loss_fn, x, y) for x, y in ones]
                 losses = [
                     float(loss_of(a, y, loss_fn)) for a, (_, y) in zip(alone, ones)
                 ]

@@ -32,8 +32,8 @@ from memory.batch import (
     batch_dependent_layer,
     batch_layout,
     batch_size_of,
-    count_items,
     first_items,
+    loss_count,
     loss_of,
     short_batch_microbatches,
     split_batch,
@@ -209,13 +209,12 @@ class PlannedTrainer:
         self.plan = plan
         self.loss_fn = loss_fn
         self.settings = settings or TrainSettings()
-        if count_fn is None and isinstance(loss_fn, LogitsCrossEntropy):
-            count_fn = lambda x, y: loss_fn.count(y)  # noqa: E731
-        self.count_fn = count_fn or (lambda x, y: count_items(model, x, y))
+        self.count_fn = count_fn or (lambda x, y: loss_count(model, loss_fn, x, y))
         self._use_cache = no_kv_cache(model)
         self.num_updates = 0
         self._calls = 0
         self._last_part = True
+        self._coupling_checked = False
         self.last_grad_norm: float | None = None
         self.applied = AppliedPlan(
             units,
@@ -296,6 +295,7 @@ class PlannedTrainer:
         m = num_microbatches or self.plan.num_microbatches
         if m > 1:
             self._refuse_batch_dependent(self.model, self.plan, m)
+            self._refuse_coupled(inputs, targets, m)
         parts = split_batch(inputs, targets, m, self.layout)
         if m > 1:
             counts = [self.count_fn(x, y) for x, y in parts]
@@ -330,6 +330,36 @@ class PlannedTrainer:
         finally:
             self.applied.end_step()
         return loss_value
+
+    def _refuse_coupled(self, inputs: Any, targets: Any, m: int) -> None:
+        """Once, before the first step with micro-batches: a model whose items are
+        coupled by what it computes (a router's load-balancing loss over the batch's
+        routing; ``memory.real_profile.batch_coupling``, on the batch's first two
+        items) is refused micro-batches unless the plan was made knowing it, as a
+        batch-dependent layer is: the planner never gives it any, a plan built by
+        hand might."""
+        if self._coupling_checked or self.plan.batch_dependent_microbatches:
+            return
+        self._coupling_checked = True
+        if has_meta_parameters(self.model):
+            return  # nothing to run yet: the planner's own check stands
+        from memory.real_profile import batch_coupling
+
+        why = batch_coupling(
+            self.model,
+            inputs,
+            targets,
+            self.loss_fn,
+            self.layout,
+            batch_size_of(inputs, self.layout),
+        )
+        if why is not None:
+            raise MemoryPlanError(
+                f"{why}, but the step would cut the batch into {m} micro-batches; "
+                "plan with num_microbatches=1 (what plan_training chooses for such "
+                "a model), or plan with allow_microbatching=True to accept the "
+                "difference"
+            )
 
     @staticmethod
     def _refuse_batch_dependent(model: nn.Module, plan: MemoryPlan, m: int) -> None:

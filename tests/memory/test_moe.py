@@ -20,6 +20,7 @@ tf = pytest.importorskip("transformers")
 
 from memory.api import plan_training  # noqa: E402
 from memory.chain_costs import LiveBytes, storage_key  # noqa: E402
+from memory.errors import MemoryPlanError  # noqa: E402
 from memory.head import own_loss_refusal  # noqa: E402
 from memory.spec import BlockPlan, MemoryPlan  # noqa: E402
 from memory.step import PlannedTrainer, TrainSettings  # noqa: E402
@@ -386,3 +387,13 @@ def test_a_model_whose_items_are_coupled_gets_no_microbatches() -> None:
     assert why is not None and "micro-batches would train another" in why, why
     planned = plan_training(model, ids, ids, cross_entropy)
     assert planned.profile.batch_dependent and planned.plan.num_microbatches == 1
+
+
+def test_a_hand_built_plan_with_microbatches_on_a_router_loss_is_refused() -> None:
+    """The planner gives Mixtral with its router loss no micro-batches; a plan built
+    by hand with two is refused in one line before the step runs (the trainer checks
+    the batch's first two items as the planner does), not trained on another loss."""
+    with pytest.raises(MemoryPlanError, match="micro-batches") as e:
+        _train("mixtral+aux", _recompute, m=2)
+    assert "\n" not in str(e.value)
+    assert "num_microbatches=1" in str(e.value)
