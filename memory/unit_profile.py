@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from memory.batch import (
+    batch_dependent_layer,
     batch_layout,
     batch_size_of,
     loss_of,
@@ -507,6 +508,11 @@ def profile_units(
     sizes = [
         batch // d for d in range(1, min(batch, max_microbatches) + 1) if batch % d == 0
     ]
+    if batch_dependent_layer(model, training_only=True) is not None:
+        # statistics over the batch: a one-item micro-batch may have none to take
+        # (BatchNorm over 1x1 maps raises); plans only get micro-batches of such
+        # a model where asked (allow_microbatching), and then of two items or more
+        sizes = [n for n in sizes if n >= 2 or n == batch]
     # modules profiled on real tensors (memory.real_profile): name -> unit index
     real: dict[str, int] = {}
     real_mods = dict(model.named_modules(remove_duplicate=False))
