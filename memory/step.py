@@ -247,6 +247,18 @@ class PlannedTrainer:
             self.guard.check()
         return loss
 
+    def update(self) -> None:
+        """The update ``step`` makes after its ``backward``: for a caller that reads
+        ``gradients()`` between the two (as the architecture zoo compares them before
+        the optimizer step). Streamed units' gradients wait for it only where their
+        update is deferred (under clipping or accumulation); otherwise ``backward``
+        has applied them already."""
+        with self.guard:
+            self._calls += 1
+            self.guard.unit = "optimizer step"
+            self._update()
+            self.guard.check()
+
     def train(
         self, batches: Iterable[Any], *, planned_size: int | None = None
     ) -> list[float]:
