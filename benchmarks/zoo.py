@@ -70,7 +70,11 @@ def _spawn(name: str, task: str, timeout_s: float) -> dict[str, Any]:
             cwd=ROOT,
         )
     except subprocess.TimeoutExpired:
-        return {**base, "reason": f"timeout after {timeout_s:.0f} s", "seconds": timeout_s}
+        return {
+            **base,
+            "reason": f"timeout after {timeout_s:.0f} s",
+            "seconds": timeout_s,
+        }
     seconds = round(time.monotonic() - t0, 2)
     for line in p.stdout.splitlines():
         if line.startswith(_MARK):
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(
                 {
-                    "command": "python benchmarks/zoo.py " + " ".join(argv or sys.argv[1:]),
+                    "command": "python benchmarks/zoo.py "
+                    + " ".join(argv or sys.argv[1:]),
                     "transformers": transformers.__version__,
                     "torch": torch.__version__,
                     "machine": platform.machine(),
