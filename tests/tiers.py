@@ -12,6 +12,10 @@ Tiers (README, "Tests"):
 ``--tier default|child|heavy|all`` selects one; without it a bare ``pytest`` runs the
 default tier and a command line that names files or tests runs all of theirs.
 
+``@pytest.mark.zoo`` (the architecture zoos, ``benchmarks/zoo.py``) is in no tier: such
+a test runs only where the ``-m`` expression names ``zoo`` (``pytest -m zoo``), never in
+CI or ``scripts/check``, whatever the tier.
+
 Enforced while a test runs: a default-tier test that starts a process, or a child-tier
 test that starts one while another it started is still running, or one that runs a
 heavy tier's process (a SuperLink, a SuperNode, ``flwr``, Ray, nginx serving, 3+ ranks; its
@@ -115,8 +119,12 @@ def pytest_collection_modifyitems(
 ) -> None:
     tier = _selected_tier(config)
     xdist = config.pluginmanager.hasplugin("xdist")
+    zoo = "zoo" in (config.getoption("markexpr", "") or "")
     keep, drop = [], []
     for item in items:
+        if item.get_closest_marker("zoo") and not zoo:
+            drop.append(item)  # the zoos run only when asked for by name
+            continue
         t = tier_of(item)
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[t]))
