@@ -89,25 +89,95 @@ def _spawn(name: str, task: str, timeout_s: float) -> dict[str, Any]:
     }
 
 
+def merge(base: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """``base``'s results with ``again``'s classes replaced (a re-run of some
+    classes after a fix), counts recomputed, both commands and wall times kept."""
+    by_name = {r["name"]: r for r in base["results"]}
+    for r in again["results"]:
+        by_name[r["name"]] = {**r, "rerun": True}
+    results = [by_name[r["name"]] for r in base["results"]]
+    out = dict(base, results=results)
+    out.update(_counts(results))
+    out["reruns"] = base.get("reruns", []) + [
+        {
+            "command": again["command"],
+            "wall_s": again["wall_s"],
+            "classes": len(again["results"]),
+        }
+    ]
+    return out
+
+
+def _counts(results: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = {s: 0 for s in ("passed", "refused", "failed", "skipped")}
+    for r in results:
+        counts[r["status"]] += 1
+    denominator = len(results) - counts["skipped"]
+    pct = 100.0 * counts["passed"] / denominator if denominator else 0.0
+    return {"counts": counts, "denominator": denominator, "pass_percent": round(pct, 1)}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The census as a markdown table by class (docs/memory.md)."""
+    lines = ["| class | task | result | reason / plans |", "|---|---|---|---|"]
+    for r in data["results"]:
+        d = r.get("detail") or {}
+        why = r.get("reason") or ""
+        if r["status"] == "passed":
+            why = "; ".join(
+                f"{k}: {d[k]['plan']}" for k in ("half", "smallest") if k in d
+            )
+        why = why.replace("|", "\\|")
+        lines.append(f"| {r['name']} | {r['task']} | {r['status']} | {why} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=None, help="class names matching this glob")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="class names matching this glob (or any of several, comma-separated)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="classes at once")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per class")
     ap.add_argument("--out", default=None, help="write the results here (JSON)")
+    ap.add_argument(
+        "--merge",
+        nargs=2,
+        metavar=("BASE", "AGAIN"),
+        help="merge a re-run of some classes (AGAIN) into a census (BASE), to --out",
+    )
+    ap.add_argument("--markdown", metavar="JSON", help="print a census as a table")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         _one(args.one)
         return 0
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
+    if args.merge:
+        with open(args.merge[0]) as f, open(args.merge[1]) as g:
+            merged = merge(json.load(f), json.load(g))
+        with open(args.out or args.merge[0], "w") as f:
+            json.dump(merged, f, indent=1)
+        c = merged["counts"]
+        print(
+            f"{len(merged['results'])} classes: {c['passed']} passed, {c['refused']} "
+            f"refused, {c['failed']} failed, {c['skipped']} skipped; "
+            f"{merged['pass_percent']}% of {merged['denominator']} passed"
+        )
+        return 0
     from tests.hf import zoo
 
+    patterns = args.only.split(",") if args.only else None
     todo = [
         e
         for e in zoo.entries()
-        if args.only is None
-        or fnmatch.fnmatchcase(e.name, args.only)
-        or args.only in e.name
+        if patterns is None
+        or any(fnmatch.fnmatchcase(e.name, p) or p in e.name for p in patterns)
     ]
     if not todo:
         print(f"no class matches {args.only!r}", file=sys.stderr)
@@ -125,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     wall = time.monotonic() - t0
-    counts = {s: 0 for s in ("passed", "refused", "failed", "skipped")}
-    for r in results:
-        counts[r["status"]] += 1
-    denominator = len(results) - counts["skipped"]
-    pct = 100.0 * counts["passed"] / denominator if denominator else 0.0
+    tally = _counts(results)
+    counts, denominator, pct = (
+        tally["counts"],
+        tally["denominator"],
+        tally["pass_percent"],
+    )
     summary = (
         f"{len(results)} classes: {counts['passed']} passed, {counts['refused']} "
         f"refused, {counts['failed']} failed, {counts['skipped']} skipped; "
