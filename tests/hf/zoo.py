@@ -250,13 +250,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "PerceiverForMaskedLM": dict(max_position_embeddings=T),
     # axial position embeddings factor the sequence and the width; chunks divide T
     "ReformerForMaskedLM": dict(
-        axial_pos_shape=[4, 4],
+        axial_pos_shape=[8, 8],  # 8 x 8 = T
         axial_pos_embds_dim=[32, 32],
         local_attn_chunk_length=4,
         lsh_attn_chunk_length=4,
     ),
     "ReformerModelWithLMHead": dict(
-        axial_pos_shape=[4, 4],
+        axial_pos_shape=[8, 8],  # 8 x 8 = T
         axial_pos_embds_dim=[32, 32],
         local_attn_chunk_length=4,
         lsh_attn_chunk_length=4,
