@@ -327,6 +327,8 @@ def _scalar(key: str, value: Any, heads_before: Any) -> Any:
         if key == "vocab_size":
             return VOCAB
         return None
+    if key == "image_size" and isinstance(value, list | tuple) and value:
+        return [min(v, IMAGE) for v in value]  # (height, width)
     if not isinstance(value, int):
         return value
     if key in _HIDDEN and value > HIDDEN:
