@@ -324,14 +324,22 @@ class PlannedTrainer:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated so far, by parameter name (copies for streamed
         parameters, whose gradients wait in the store only while an update is deferred:
-        under clipping or accumulation)."""
+        under clipping or accumulation). A tied parameter appears once, under the
+        first name ``named_parameters`` gives it, as in plain training: a streamed
+        unit's tied parameter, which a borrowing unit holds as a leaf of its own, is
+        reported under the first of its names, with the owner's gradient."""
         streamer = self.applied.streamer
         out = {}
+        seen: set[int] = set()
         for n, p in self.model.named_parameters():
-            if streamer is not None and id(p) in streamer.stream_ids:
-                g = streamer.stored_grad(p)
+            owner = streamer.owner(p) if streamer is not None else p
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            if streamer is not None and id(owner) in streamer.stream_ids:
+                g = streamer.stored_grad(owner)
             else:
-                g = p.grad
+                g = owner.grad
             if g is not None:
                 out[n] = g
         return out
