@@ -11,7 +11,8 @@ every parameter's gradient within ``||g_plan - g_plain|| / ||g_plain|| <= 1e-5``
   and defect class the issue names for the zoo (a post-head transform, an auxiliary
   loss and mixture of experts, layers in nested containers, encoder-decoder, tied
   embeddings, BatchNorm, vision), the cheapest in the census where several have it
-  (one class may stand for two), within 60 s in all.
+  (one class may stand for two), and one per defect the zoo found and fixed, within
+  60 s in all.
   Classes that fail today are strict xfails naming the defect: when it is fixed the
   xfail turns into an error, and the mark goes.
 """
@@ -39,6 +40,9 @@ SUBSET = {
     # encoder-decoder and tied embeddings: Bart ties its shared embedding, the
     # encoder's and decoder's inputs and the LM head (cheaper than GPT-2 for ties)
     "BartForConditionalGeneration": None,
+    # tied embeddings under streaming, the head named before its embedding (a defect
+    # the zoo found: PlannedTrainer.gradients() lost the head's gradient)
+    "XLMRobertaForMaskedLM": None,
     # BatchNorm in training mode under micro-batches
     "ResNetForImageClassification": (
         "BatchNorm under micro-batches: a 1-item micro-batch fails in BatchNorm "
