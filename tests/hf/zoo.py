@@ -270,6 +270,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ZambaForCausalLM": dict(
         num_hidden_layers=6, attn_layer_period=3, attn_layer_offset=2, _keep_layers=True
     ),
+    # its to_dict() doubles the layers (attention and MLP entries) that its __init__
+    # takes as pairs: the rule's layer cut cannot be read from it
+    "DoryForCausalLM": dict(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        _keep_layers=True,
+    ),
     # ESM's default leaves the vocabulary and its special tokens to the checkpoint
     "EsmForMaskedLM": dict(vocab_size=33, pad_token_id=1, mask_token_id=32),
 }
