@@ -266,6 +266,18 @@ class PlannedTrainer:
             self.guard.check()
         return loss
 
+    def update(self) -> None:
+        """The update ``step`` makes after its ``backward``: for a caller that reads
+        ``gradients()`` between the two (as the architecture zoo compares them before
+        the optimizer step). Streamed units' gradients wait for it only where their
+        update is deferred (under clipping or accumulation); otherwise ``backward``
+        has applied them already."""
+        with self.guard:
+            self._calls += 1
+            self.guard.unit = "optimizer step"
+            self._update()
+            self.guard.check()
+
     def train(
         self, batches: Iterable[Any], *, planned_size: int | None = None
     ) -> list[float]:
@@ -381,14 +393,22 @@ class PlannedTrainer:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated so far, by parameter name (copies for streamed
         parameters, whose gradients wait in the store only while an update is deferred:
-        under clipping or accumulation)."""
+        under clipping or accumulation). A tied parameter appears once, under the
+        first name ``named_parameters`` gives it, as in plain training: a streamed
+        unit's tied parameter, which a borrowing unit holds as a leaf of its own, is
+        reported under the first of its names, with the owner's gradient."""
         streamer = self.applied.streamer
         out = {}
+        seen: set[int] = set()
         for n, p in self.model.named_parameters():
-            if streamer is not None and id(p) in streamer.stream_ids:
-                g = streamer.stored_grad(p)
+            owner = streamer.owner(p) if streamer is not None else p
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            if streamer is not None and id(owner) in streamer.stream_ids:
+                g = streamer.stored_grad(owner)
             else:
-                g = p.grad
+                g = owner.grad
             if g is not None:
                 out[n] = g
         return out

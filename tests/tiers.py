@@ -14,6 +14,10 @@ default tier and a command line that names files or tests runs all of theirs. Te
 marked ``zoo`` (the architecture zoos: minutes, not in CI) run only where ``-m``
 names the marker (``-m zoo``), in any tier.
 
+``@pytest.mark.zoo`` (the architecture zoos, ``benchmarks/zoo.py``) is in no tier: such
+a test runs only where the ``-m`` expression names ``zoo`` (``pytest -m zoo``), never in
+CI or ``scripts/check``, whatever the tier.
+
 Enforced while a test runs: a default-tier test that starts a process, or a child-tier
 test that starts one while another it started is still running, or one that runs a
 heavy tier's process (a SuperLink, a SuperNode, ``flwr``, Ray, nginx serving, 3+ ranks; its
