@@ -366,10 +366,20 @@ def own_loss_refusal(
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta or _is_fake(t) for t in tensors):
         return f"{name}'s weights are not in memory here: its loss cannot be compared"
+    extra = _head_extra(head.head)
+    if extra is not None:
+        return extra
     one, _ = first_items(inputs, None, 1, batch_layout(model))
     saved = {k: b.clone() for k, b in model.named_buffers()}
     device = next((t.device for t in tensors), torch.device("cpu"))
     devices = [device] if device.type == "cuda" else []
+    seen: list[torch.Tensor] = []  # the head's input in each run
+
+    def grab(_m: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            seen.append(args[0].detach().clone())
+
+    hook = head.head.register_forward_pre_hook(grab)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
@@ -387,12 +397,20 @@ def own_loss_refusal(
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         return f"{name}'s loss on one example could not be compared: {first_line}"
     finally:
+        hook.remove()
         with torch.no_grad():
             for k, b in model.named_buffers():
                 if k in saved:
                     b.copy_(saved[k])
     if why is not None:
         return why
+    if len(seen) == 2 and not _same(seen[0], seen[1]):
+        # the loss of a random model hardly depends on its inputs: the head's
+        # input must be the same too (a decoder fed other tokens without labels)
+        return (
+            f"{name}'s head {head.name!r} gets another input through the chunked "
+            "head (the model builds its decoder inputs from labels another way)"
+        )
     if got is None:
         return f"the forward of {name} did not call its head {head.name!r}"
     got = got.detach().float()
@@ -402,6 +420,26 @@ def own_loss_refusal(
             f"{float(got):.6g}: its loss is not the head's plain cross entropy"
         )
     return None
+
+
+def _head_extra(head: nn.Module) -> str | None:
+    """Why ``head`` is not a plain ``nn.Linear`` that the chunked loss can compute
+    from its weight and bias, or None: a subclass with a forward of its own or
+    parameters besides them (a learnable logit scale) is refused."""
+    own = {n for n, _ in head.named_parameters()}
+    if type(head).forward is not nn.Linear.forward or not own <= {"weight", "bias"}:
+        return (
+            f"the head {type(head).__name__} is not a plain Linear (parameters "
+            f"{sorted(own)}): the chunked loss would drop what its forward adds"
+        )
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return bool((a - b).abs().max() <= 1e-4 * max(scale, 1e-6)) if a.numel() else True
 
 
 def declared_head(

@@ -88,9 +88,23 @@ class _Tracker(LiveBytes):
         self.flops = [0] * n
         self.mispriced: set[tuple[int, int]] = set()  # (unit, innermost module id)
         self.stack: list[nn.Module] = []  # modules whose forward runs, innermost last
+        # parameters read in a forward outside every unit that holds them (glue
+        # reading a unit's parameter: a streamed unit's would be its placeholder)
+        self.holders: dict[int, set[int]] = {}  # id(parameter) -> units holding it
+        self.where: Callable[[], int | None] = lambda: None  # forward: unit or GLUE
+        self.read_outside: set[int] = set()  # units whose parameters glue reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.holders:
+            where = self.where()
+            if where is not None:
+                for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    hs = (
+                        self.holders.get(id(a)) if isinstance(a, torch.Tensor) else None
+                    )
+                    if hs and where not in hs:
+                        self.read_outside.add(min(hs))  # its owner: the first
         out = func(*args, **kwargs)
         if self.owner >= 0:
             self.flops[self.owner] += op_flops(func, args, kwargs, out)
@@ -122,6 +136,12 @@ class _Trace:
         self.exclude = exclude  # parameter, buffer and batch storages
         self.tracker = _Tracker(n)
         self.tracker.ignore = exclude
+        for k, u in enumerate(self.units):
+            for p in u.module.parameters():
+                self.tracker.holders.setdefault(id(p), set()).add(k)
+        self.tracker.where = lambda: (
+            None if self.in_backward else (self.current if self.inside else GLUE)
+        )
         self.level = [0] * n  # live bytes at the unit's first forward entry
         self.fwd_peak = [0] * n
         self.bwd_level = [-1] * n
@@ -429,10 +449,18 @@ class _RowParams:
         for mods in self.tables.values():
             for mod, *_ in mods:
 
-                def hook(m: nn.Module, args: tuple, _out: Any) -> None:
-                    if torch.is_grad_enabled() and args:
-                        key = id(m)
-                        self.tokens[key] = self.tokens.get(key, 0) + args[0].numel()
+                def hook(m: nn.Module, args: tuple, out: Any) -> None:
+                    if not torch.is_grad_enabled() or not args:
+                        return
+                    if isinstance(args[0], torch.Tensor):
+                        n = args[0].numel()
+                    elif isinstance(out, torch.Tensor) and out.dim() > 0:
+                        # a subclass called with a shape (learned positions):
+                        # the rows it returned
+                        n = out.numel() // max(out.shape[-1], 1)
+                    else:
+                        return
+                    self.tokens[id(m)] = self.tokens.get(id(m), 0) + n
 
                 out.append(mod.register_forward_hook(hook))
         return out
@@ -515,6 +543,7 @@ def profile_units(
         sizes = [n for n in sizes if n >= 2 or n == batch]
     # modules profiled on real tensors (memory.real_profile): name -> unit index
     real: dict[str, int] = {}
+    read_outside: set[int] = set()  # units whose parameters glue code reads
     real_mods = dict(model.named_modules(remove_duplicate=False))
     fake_names = {id(m): n for n, m in fake.named_modules(remove_duplicate=False)}
     for _ in range(2 * len(units) + 2):
@@ -546,6 +575,7 @@ def profile_units(
                 fallback,
                 [Block(n, by_name[n]) for n in real],
                 list(real.values()),
+                read_outside,
             )
         except _UnitFailed as e:
             name = _target(units, e.unit, fake_names.get(e.inner))
@@ -597,6 +627,8 @@ def profile_units(
             options = ("K", "R", "O", "S")
         else:
             options = ("K", "R", "O", "S", "D")
+        if k in read_outside:  # the model's own code reads its parameters: resident
+            options = tuple(o for o in options if o != "S")
         blocks.append(
             BlockProfile(
                 costs=by_m,
@@ -640,6 +672,7 @@ def _trace_all(
     fallback: RealUnits | None,
     fake_targets: Sequence[Block],
     owners: Sequence[int],
+    read_outside: set[int],
 ) -> tuple[
     dict[int, list[BlockCosts]], list[int], list[bool], int, set[tuple[int, int]]
 ]:
@@ -653,6 +686,7 @@ def _trace_all(
     glue_of: list[int] = []
     glue_keeps_input: list[bool] = []
     mispriced: set[tuple[int, int]] = set()
+    read_outside.clear()
     items = [batch]
     stand = (
         fallback.standing_in(fake_targets, lambda: items[0])
@@ -677,6 +711,7 @@ def _trace_all(
                     for h in counting:
                         h.remove()
                 mispriced |= tr.tracker.mispriced
+                read_outside.update(tr.tracker.read_outside)
                 seen: dict[int, int] = {}
                 shared: set[int] = set()
                 for k in range(tr.n):

@@ -144,13 +144,15 @@ def trace_units(
 
 def _trace(
     model: nn.Module, candidates: Sequence[Block], inputs: Any
-) -> tuple[list[Block], dict[str, int], str | None]:
-    """``trace_units``, and the module (its path) whose own code failed on fake
-    tensors where that is not inside a candidate (None: no such failure)."""
+) -> tuple[list[Block], dict[str, int], list[str]]:
+    """``trace_units``, and the modules (paths) whose own code cannot run on fake
+    tensors where that is not inside a candidate: found, when the fake forward
+    fails, on the real forward that replaces it, as the innermost module running
+    each op whose output shape or value depends on the data (the ops fake tensors
+    refuse: ``nonzero``, ``.item()``)."""
     order: list[str] = []
     calls: dict[str, int] = {}
-    failed_in: str | None = None
-    running: list[nn.Module] = []  # the fake forward's module stack
+    failing: list[str] = []
 
     def run(mod: nn.Module, cands: Sequence[Block], x: Any) -> None:
         hooks = []
@@ -181,42 +183,69 @@ def _trace(
                 fake = copy.deepcopy(model)
         by_name = dict(fake.named_modules(remove_duplicate=False))
         fake_cands = [Block(b.name, by_name[b.name]) for b in candidates]
-        names = {id(m): n for n, m in by_name.items()}
-        into = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, _a: running.append(m)
-        )
-
-        def leave(m: nn.Module, _a: object, _o: object) -> None:
-            if running and running[-1] is m:
-                running.pop()
-
-        out_of = torch.nn.modules.module.register_module_forward_hook(leave)
-        try:
-            with mode, quiet_fake_errors():
-                fx = _map_tensors(inputs, mode.from_tensor)
-                run(fake, fake_cands, fx)
-        except Exception:
-            if running:  # the innermost module running when it failed
-                failed_in = names.get(id(running[-1]))
-            raise
-        finally:
-            into.remove()
-            out_of.remove()
+        with mode, quiet_fake_errors():
+            fx = _map_tensors(inputs, mode.from_tensor)
+            run(fake, fake_cands, fx)
     except Exception:  # a model that will not run on fake tensors: run it for real
         order.clear()
         calls.clear()
         was = model.training
         model.eval()
         try:
-            run(model, candidates, inputs)
+            with _DataDependent(model) as found:
+                run(model, candidates, inputs)
+            failing = found.names
         finally:
             model.train(was)
     by = {b.name: b for b in candidates}
-    if failed_in is not None and any(
-        failed_in == n or failed_in.startswith(n + ".") for n in by
-    ):
-        failed_in = None  # inside a candidate: profiled there (memory.real_profile)
-    return [by[n] for n in order], calls, failed_in
+    glue = [
+        f
+        for f in failing
+        if not any(f == n or f.startswith(n + ".") for n in by)  # not in a unit
+    ]
+    return [by[n] for n in order], calls, glue
+
+
+class _DataDependent(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, during a real forward, the innermost module running each op that
+    fake tensors cannot run (an output whose shape or value depends on the data)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.paths = {id(m): n for n, m in model.named_modules()}
+        self.running: list[nn.Module] = []
+        self.names: list[str] = []
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> _DataDependent:
+        def leave(m: nn.Module, _a: object, _o: object) -> None:
+            if self.running and self.running[-1] is m:
+                self.running.pop()
+
+        self._hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda m, _a: self.running.append(m)
+            ),
+            torch.nn.modules.module.register_module_forward_hook(leave),
+        ]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        tags = getattr(func, "tags", ())
+        if (
+            torch.Tag.dynamic_output_shape in tags
+            or torch.Tag.data_dependent_output in tags
+        ) and self.running:
+            name = self.paths.get(id(self.running[-1]))
+            if name is not None and name not in self.names:
+                self.names.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -302,16 +331,16 @@ def find_units(
         raise MemoryPlanError(
             f"{type(model).__name__} has no module with parameters to plan over"
         )
-    units, _, failed_in = _trace(model, cands, inputs)
+    units, _, failing = _trace(model, cands, inputs)
     if names is None:
         for _ in range(_MAX_NESTING):
             opened = _open_uncalled(cands, units)
             if opened is None:
-                opened = _close_failing(model, cands, failed_in)
+                opened = _close_failing(model, cands, failing)
             if opened is None:
                 break
             cands = opened
-            units, _, failed_in = _trace(model, cands, inputs)
+            units, _, failing = _trace(model, cands, inputs)
     if not units:
         raise MemoryPlanError(
             f"{type(model).__name__}'s forward calls none of its units "
@@ -356,30 +385,35 @@ def _open_uncalled(
 
 
 def _close_failing(
-    model: nn.Module, cands: Sequence[Block], failed_in: str | None
+    model: nn.Module, cands: Sequence[Block], failing: Sequence[str]
 ) -> list[Block] | None:
-    """The candidates with those inside ``failed_in`` replaced by that module, one
-    unit in the place of its first: a module whose own code, between the units it
-    holds, cannot run on fake tensors (``AdaptiveLogSoftmaxWithLoss`` selects each
-    cluster's rows with ``nonzero``) becomes a unit, which the profile measures on
-    real tensors (``memory.real_profile``). None when there is nothing to close (no
-    such failure, or it was in the model's own code)."""
-    if not failed_in:
-        return None
-    inside = [b for b in cands if b.name.startswith(failed_in + ".")]
-    if not inside:
-        return None
-    mod = dict(model.named_modules(remove_duplicate=False)).get(failed_in)
-    if mod is None:
-        return None
-    out: list[Block] = []
-    for b in cands:
-        if b in inside:
-            if b is inside[0]:
-                out.append(Block(failed_in, mod))
+    """The candidates with those inside each module of ``failing`` replaced by that
+    module, one unit in the place of its first: a module whose own code, between
+    the units it holds, cannot run on fake tensors (``AdaptiveLogSoftmaxWithLoss``
+    selects each cluster's rows with ``nonzero``; an encoder reads its positions
+    with ``.item()``) becomes a unit, which the profile measures on real tensors
+    (``memory.real_profile``); a module that holds no unit (no parameters:
+    sinusoidal positions) becomes a unit of its own. None when there is nothing to
+    close (no such module, or only the model's own code)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out = list(cands)
+    changed = False
+    # outer modules first: a failing module inside another failing one goes with it
+    for name in sorted((f for f in failing if f), key=lambda f: f.count(".")):
+        mod = modules.get(name)
+        if mod is None or any(
+            name == b.name or name.startswith(b.name + ".") for b in out
+        ):
             continue
-        out.append(b)
-    return out
+        inside = [b for b in out if b.name.startswith(name + ".")]
+        if not inside:
+            out.append(Block(name, mod))
+        else:
+            first = out.index(inside[0])
+            out = [b for b in out if b not in inside]
+            out.insert(first, Block(name, mod))
+        changed = True
+    return out if changed else None
 
 
 def outside_parameters(model: nn.Module, units: Sequence[Block]) -> list[str]:
