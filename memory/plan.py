@@ -366,6 +366,7 @@ def _fastest(
     disk_budget: int | None,
     cut_s: float,
     beam: int = 0,
+    max_states: int = 0,
 ) -> _Chain | None:
     """The fastest plan within ``limit`` (raw peak less base) that can beat ``cut_s``
     (``raw_bytes`` is its x, ``time`` its exact time), or None.
@@ -374,7 +375,8 @@ def _fastest(
     any rest (``_bounds``) exceeds ``cut_s``, or when another is at least as good in
     exact time, x, y (and disk bytes, where the disk budget can bind). With ``beam``,
     only that many partial plans with the smallest such sums go on per key: a quick
-    dive for a good feasible plan, not an exact search."""
+    dive for a good feasible plan, not an exact search. With ``max_states``, an
+    exact search whose partial plans outgrow it raises ``_TooLarge``."""
     use_disk = _disk_binds(steps, disk_budget)
     cut = cut_s * (1 + _TIME_SLOP)
     assert _WEIGHTS == ((1, 0), (0, 1))  # the loop below reads Q's table, then P's
@@ -427,12 +429,25 @@ def _fastest(
                 frontier[key] = kept
         if not frontier:
             return None
+        if max_states and sum(len(v) for v in frontier.values()) > max_states:
+            raise _TooLarge
     te, x, _y, _z, _t, _f, ch = min(
         (s for states in frontier.values() for s in states),
         key=lambda s: (s[_TE], s[_FX]),
     )
     return _Chain(x, te, _unlink(ch))
 
+
+class _TooLarge(Exception):
+    """An exact search's partial plans outgrew ``MAX_EXACT_STATES``."""
+
+
+MAX_EXACT_STATES = 200_000
+"""Partial plans an exact search may hold after a unit; beyond, the plan comes from
+a wider beam (``WIDE_BEAM``): within the budget as exactly, perhaps not the fastest
+(many small units of near-equal times: a ResNet's 54)."""
+
+WIDE_BEAM = 512
 
 _DIVE_CLOSE = 0.05
 """Where the dive's plan is within this (relative) of the lower bound, its time is the
@@ -593,10 +608,27 @@ def _best(
             cuts = [lb * (1 + gap) for gap in _GAPS if lb * (1 + gap) < top]
             cuts.append(top)
         found = None
-        for cut in cuts:
-            found = _fastest(m0, steps, exact[i], bounds, limit, disk_budget, cut)
-            if found is not None:
-                break
+        try:
+            for cut in cuts:
+                found = _fastest(
+                    m0,
+                    steps,
+                    exact[i],
+                    bounds,
+                    limit,
+                    disk_budget,
+                    cut,
+                    max_states=MAX_EXACT_STATES,
+                )
+                if found is not None:
+                    break
+        except _TooLarge:
+            logger.info("plan search too large: a beam of %d instead", WIDE_BEAM)
+            found = _fastest(
+                m0, steps, exact[i], bounds, limit, disk_budget, top, WIDE_BEAM
+            )
+            if found is None:
+                found = dive
         if found is None:
             continue
         te = int(found.time)

@@ -210,3 +210,26 @@ def test_128_blocks_plan_fast_at_every_budget():
     assert plan.predicted_peak_bytes == lo  # None: the smallest plan
     print({name: round(s, 3) for name, s in timings.items()})
     assert max(timings.values()) < 2.0, timings
+
+
+def test_a_search_too_large_for_an_exact_plan_takes_a_wide_beam(
+    monkeypatch, caplog
+) -> None:
+    """Where the exact search's partial plans outgrow ``MAX_EXACT_STATES`` (a
+    ResNet's 54 small units), the plan comes from a wider beam: still within the
+    budget, no slower than the quick dive's."""
+    prof = gpt_like_profile(12)
+
+    def plan(budget: int | None) -> MemoryPlan:
+        return P.plan_memory(
+            prof, budget, batch_size=prof.batch_size, disk_budget_bytes=0
+        )
+
+    budget = plan(None).predicted_peak_bytes * 3 // 2
+    exact = plan(budget)
+    monkeypatch.setattr(P, "MAX_EXACT_STATES", 1)
+    with caplog.at_level("INFO", logger="memory.plan"):
+        wide = plan(budget)
+    assert "too large" in caplog.text
+    assert wide.predicted_peak_bytes <= budget
+    assert wide.predicted_step_s >= exact.predicted_step_s * (1 - 1e-9)
