@@ -438,8 +438,9 @@ def _head_extra(head: nn.Module) -> str | None:
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
-    scale = float(a.abs().max()) if a.numel() else 0.0
-    return bool((a - b).abs().max() <= 1e-4 * max(scale, 1e-6)) if a.numel() else True
+    if not a.numel():
+        return True
+    return bool((a - b).abs().max() <= 1e-4 * max(float(a.abs().max()), 1e-6))
 
 
 def declared_head(

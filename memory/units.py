@@ -376,7 +376,7 @@ def _open_uncalled(
             continue
         opened = True
         for n, kid in kids:
-            if id(kid) in seen and kid is not b.module:
+            if id(kid) in seen:
                 continue  # reached under another name: that one stands
             if _has_parameters(kid):
                 seen.add(id(kid))

@@ -179,3 +179,23 @@ def build(
 def build_batch(name: str, size: str = "test", seed: int = 0) -> tuple[nn.Module, Any]:
     """``build`` with JSON arguments: a factory for ``memory.step.train_measured``."""
     return build(name, size, seed)
+
+
+def tiny_lm(
+    config_class: Any, model_class: Any, vocab_size: int, **extra: Any
+) -> nn.Module:
+    """A two-layer transformers LM of width 32 (random weights, seed 0) from its config
+    class, ``extra`` overriding the config: the tests' small causal LMs of any family."""
+    _quiet()
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    cfg.update(extra)
+    return model_class(config_class(**cfg))

@@ -25,6 +25,7 @@ from memory.head import own_loss_refusal  # noqa: E402
 from memory.spec import BlockPlan, MemoryPlan  # noqa: E402
 from memory.step import PlannedTrainer, TrainSettings  # noqa: E402
 from memory.units import find_units  # noqa: E402
+from tests.hf.models import tiny_lm  # noqa: E402
 
 SETTINGS = TrainSettings(lr=1e-3, clip_norm=1.0)
 V, T, B = 128, 16, 4
@@ -83,18 +84,7 @@ def cross_entropy(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _hf(config_class, model_class, **extra):
-    tf.logging.set_verbosity_error()
-    cfg = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    cfg.update(extra)
-    return model_class(config_class(**cfg))
+    return tiny_lm(config_class, model_class, V, **extra)
 
 
 MODELS = {

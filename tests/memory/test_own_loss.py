@@ -24,24 +24,13 @@ from memory.spec import MemoryPlan  # noqa: E402
 from memory.step import PlannedTrainer  # noqa: E402
 from memory.unit_profile import plan_units, unit_profiles  # noqa: E402
 from memory.units import find_units  # noqa: E402
+from tests.hf.models import tiny_lm  # noqa: E402
 
 V, T = 128, 16
 
 
 def _lm(config_class, model_class, **extra):
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    cfg.update(extra)
-    return model_class(config_class(**cfg))
+    return tiny_lm(config_class, model_class, V, **extra)
 
 
 def _marian():
